@@ -1,0 +1,120 @@
+"""Chunk keys: chained content hashes under a namespace.
+
+Invariants:
+
+* ``key_0 = H(ns_digest, tokens_0, extra)`` and ``key_i = H(key_{i-1}, tokens_i, extra)``,
+  with ``H`` = BLAKE2b-128 over a fixed little-endian encoding. So a key identifies the
+  whole token prefix up to and including its chunk, and two nodes serving the same model
+  compute the same keys without a coordinator.
+* Never Python's ``hash()``: keys are identical across processes, machines and runs.
+* The namespace digest covers everything that makes KV bytes incompatible (model identity,
+  dtype, layout, geometry, chunking, TP placement, format version, and the request's
+  ``cache_salt``). Different namespaces never share a key.
+* ``ChunkKey.hex()`` is only ``[0-9a-f]``: tier paths and object names built from it
+  cannot escape their root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+import msgpack
+import numpy as np
+
+from kvtier import FORMAT_VERSION
+
+#: 16 raw bytes. Use ``key.hex()`` for names.
+ChunkKey = NewType("ChunkKey", bytes)
+
+KEY_BYTES = 16
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in parts:
+        # Length-prefix every part so (a, bc) and (ab, c) never collide.
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for stored KV bytes to be reusable."""
+
+    model: str
+    model_fingerprint: str
+    kv_dtype: str
+    kv_layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    chunk_tokens: int
+    block_size: int
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "chunk_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Namespace.{name} must be > 0, got {getattr(self, name)}")
+        if self.chunk_tokens % self.block_size:
+            raise ValueError(
+                f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_world_size {self.tp_world_size}")
+
+    def digest(self, cache_salt: str | None = None) -> bytes:
+        """16-byte digest of this namespace, optionally specialised by a request salt."""
+        fields = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)
+        salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
+        return _h(b"kvtier-namespace", fields, salt)
+
+
+def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Canonical byte encoding of token ids (little-endian uint32)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def chunk_keys(
+    ns_digest: bytes,
+    tokens: Sequence[int] | np.ndarray,
+    chunk_tokens: int,
+    *,
+    extra: bytes = b"",
+    start_chunk: int = 0,
+    parent: ChunkKey | None = None,
+) -> list[ChunkKey]:
+    """Keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key.
+
+    To extend an earlier computation, pass ``start_chunk`` and the key of chunk
+    ``start_chunk - 1`` as ``parent``; the result then starts at chunk ``start_chunk``.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    if (start_chunk == 0) != (parent is None):
+        raise ValueError("parent must be given exactly when start_chunk > 0")
+    prev = ns_digest if parent is None else bytes(parent)
+    encoded = encode_tokens(tokens)
+    step = chunk_tokens * 4
+    keys: list[ChunkKey] = []
+    for i in range(start_chunk, len(encoded) // step):
+        prev = _h(prev, encoded[i * step : (i + 1) * step], extra)
+        keys.append(ChunkKey(prev))
+    return keys
+
+
+def key_from_hex(text: str) -> ChunkKey:
+    """Parse a hex key, rejecting anything that is not exactly 32 hex digits."""
+    if len(text) != 2 * KEY_BYTES or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"not a kvtier key (32 lowercase hex digits): {text!r}")
+    return ChunkKey(bytes.fromhex(text))

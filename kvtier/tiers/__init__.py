@@ -1,0 +1,1 @@
+"""Storage tiers. Every tier speaks the ``Tier`` protocol in ``kvtier.tiers.base``."""

@@ -1,0 +1,89 @@
+"""The one protocol every tier speaks, and the small value types it uses.
+
+Invariants every implementation keeps (checked by ``tests/tiers/contract.py``):
+
+* ``put`` is atomic: a concurrent or later reader sees the whole object or nothing.
+* ``WriteMode.CREATE`` never replaces an existing object; ``OVERWRITE`` always does.
+* ``get_into`` either fills ``dst[:meta.payload_len]`` with verified bytes and returns the
+  meta, or returns ``None`` (a miss). Corrupt objects are counted, removed, and reported
+  as misses; bytes that failed verification are never returned as a hit.
+* ``contains_prefix(keys)`` is the length of the longest prefix of ``keys`` that is
+  present. It answers the prefix-cache question in one call.
+* Faults of the backing store (disk full, endpoint down) are counted and turn into
+  misses or failed puts; they never raise out of the data-path methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta
+
+
+class WriteMode(StrEnum):
+    CREATE = "create"
+    OVERWRITE = "overwrite"
+
+
+class PutStatus(StrEnum):
+    STORED = "stored"
+    EXISTS = "exists"  # CREATE found the object already there; nothing changed
+    NO_SPACE = "no_space"  # capacity could not be freed (everything protected)
+    FAILED = "failed"  # the backing store failed (I/O error, endpoint down)
+
+
+class TierError(Exception):
+    """A tier could not be set up. The message names the setting to change."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: ChunkKey
+    size: int
+    last_used: float  # wall-clock seconds
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    objects: int
+    bytes: int
+    capacity: int
+
+
+class Tier(Protocol):
+    """A store of verified chunks keyed by ``ChunkKey``."""
+
+    @property
+    def name(self) -> str: ...
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None: ...
+
+    def put(
+        self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
+    ) -> PutStatus: ...
+
+    def delete(self, keys: Iterable[ChunkKey]) -> int: ...
+
+    def scan(self) -> Iterator[ObjectInfo]: ...
+
+    def usage(self) -> TierUsage: ...
+
+    def collect(self) -> int:
+        """Enforce capacity now; returns the number of bytes freed."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def as_bytes_view(buf: object) -> memoryview:
+    """A flat, byte-typed view of any C-contiguous buffer (bytes, numpy, torch.numpy())."""
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    if not mv.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

@@ -1,0 +1,135 @@
+"""``HostTier``: chunks in a host-memory pool (pinned when CUDA is present).
+
+Composes a ``SlotIndex`` (keys, states, recency) with a ``HostPool`` (bytes). Besides the
+copying ``Tier`` methods it offers zero-copy access for the connector and the store:
+``reserve``/``commit``/``abort`` to fill a slot in place, and ``acquire``/``release`` to
+read one in place. Host memory is trusted, so reads are not checksummed; persistent tiers
+checksum everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from kvtier.keys import ChunkKey
+from kvtier.metrics import TierMetrics
+from kvtier.objformat import ChunkMeta
+from kvtier.policy import EvictionPolicy, LRUPolicy
+from kvtier.tiers.base import ObjectInfo, PutStatus, TierUsage, WriteMode
+from kvtier.tiers.pool import Allocator, HostPool
+from kvtier.tiers.slots import Reservation, SlotIndex
+
+
+class HostTier:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        allocator: Allocator | None = None,
+        name: str = "host",
+    ) -> None:
+        self._name = name
+        self.pool = HostPool(capacity_bytes, slot_bytes, allocator=allocator)
+        self.index = SlotIndex(self.pool.num_slots, policy or LRUPolicy())
+        self.metrics = TierMetrics(name)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.pool.slot_bytes
+
+    # -- zero-copy access -------------------------------------------------------------
+    def reserve(self, meta: ChunkMeta) -> Reservation | None:
+        if meta.payload_len > self.pool.slot_bytes:
+            raise ValueError(
+                f"chunk of {meta.payload_len} bytes does not fit a {self.pool.slot_bytes}-byte "
+                "slot; the pool was sized for another chunk geometry"
+            )
+        r = self.index.reserve(meta)
+        if r is not None and r.evicted:
+            self.metrics.evicted(len(r.evicted))
+        return r
+
+    def commit(self, slot: int, *, dirty: bool = False) -> None:
+        self.index.commit(slot, dirty=dirty)
+        self.metrics.used(len(self.index) * self.pool.slot_bytes)
+
+    def abort(self, slot: int) -> None:
+        self.index.abort(slot)
+
+    def acquire(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
+        return self.index.acquire(key)
+
+    def release(self, slot: int) -> None:
+        self.index.release(slot)
+
+    def view(self, slot: int, nbytes: int | None = None) -> np.ndarray:
+        return self.pool.view(slot, nbytes)
+
+    # -- Tier protocol -----------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        return self.index.contains_prefix(keys)
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+        t0 = time.perf_counter()
+        got = self.index.acquire(key)
+        if got is None:
+            self.metrics.miss()
+            return None
+        slot, meta = got
+        try:
+            out = np.frombuffer(dst, dtype=np.uint8, count=meta.payload_len)
+            np.copyto(out, self.pool.view(slot, meta.payload_len))
+        finally:
+            self.index.release(slot)
+        self.metrics.hit(meta.payload_len)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return meta
+
+    def put(
+        self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
+    ) -> PutStatus:
+        if self.index.contains(meta.key):
+            if mode is WriteMode.CREATE:
+                return PutStatus.EXISTS
+            if not self.index.remove(meta.key):
+                return PutStatus.NO_SPACE  # pinned by a reader: cannot replace now
+        t0 = time.perf_counter()
+        r = self.reserve(meta)
+        if r is None:
+            return PutStatus.EXISTS if self.index.contains(meta.key) else PutStatus.NO_SPACE
+        try:
+            src = np.frombuffer(payload, dtype=np.uint8, count=meta.payload_len)
+            np.copyto(self.pool.view(r.slot, meta.payload_len), src)
+        except BaseException:
+            self.abort(r.slot)
+            raise
+        self.commit(r.slot)
+        self.metrics.wrote(meta.payload_len)
+        self.metrics.observe("put", time.perf_counter() - t0)
+        return PutStatus.STORED
+
+    def delete(self, keys: Iterable[ChunkKey]) -> int:
+        return sum(self.index.remove(k) for k in keys)
+
+    def scan(self) -> Iterator[ObjectInfo]:
+        for _, meta in self.index.entries():
+            yield ObjectInfo(meta.key, meta.payload_len, 0.0)
+
+    def usage(self) -> TierUsage:
+        n = len(self.index)
+        return TierUsage(n, n * self.pool.slot_bytes, self.pool.nbytes)
+
+    def collect(self) -> int:
+        return 0  # capacity is enforced slot by slot in reserve()
+
+    def close(self) -> None:
+        pass
