@@ -102,7 +102,7 @@ def encode_header(meta: ChunkMeta, payload: Any) -> bytes:
         raise ValueError(
             f"payload is {memoryview(payload).nbytes} bytes, meta says {meta.payload_len}"
         )
-    body = msgpack.packb(meta.to_wire(checksum(payload)), use_bin_type=True)
+    body: bytes = msgpack.packb(meta.to_wire(checksum(payload)), use_bin_type=True)
     if len(body) > MAX_HEADER:
         raise ValueError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
     head = _PREFIX.pack(MAGIC, OBJECT_VERSION, len(body)) + body

@@ -19,6 +19,7 @@ Invariants, chosen to hold on NFS with several writers:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -235,10 +236,8 @@ class FileTier:
             if entry is not None and now - entry.last_used < self._touch_interval:
                 self._index.move_to_end(key)
                 return
-        try:
+        with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
             os.utime(path, (now, now))
-        except OSError:
-            pass  # deleted meanwhile: the next lookup will notice
         self._remember(key, size, now)
 
     def _quarantine(self, key: ChunkKey, path: Path, fd: int, why: str) -> None:
@@ -287,10 +286,8 @@ class FileTier:
                 log.warning("put %s failed: %s", path, e)
             return PutStatus.FAILED
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         self._remember(meta.key, meta.object_len, now)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
@@ -343,10 +340,8 @@ class FileTier:
             if st.st_mtime > entry.last_used + 1e-3:  # another node used it since
                 self._remember(key, st.st_size, st.st_mtime)
                 continue
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
             freed += entry.size
             self._forget(key)
             self.metrics.evicted()

@@ -112,6 +112,15 @@ class SlotIndex:
             self._by_key[s.meta.key] = slot
             self._policy.insert(s.meta.key)
 
+    def set_meta(self, slot: int, meta: ChunkMeta) -> None:
+        """Replace a WRITING slot's meta once its bytes are known (same key only)."""
+        with self._lock:
+            s = self._expect(slot, SlotState.WRITING)
+            assert s.meta is not None
+            if s.meta.key != meta.key:
+                raise SlotStateError(f"slot {slot} was reserved for another key")
+            s.meta = meta
+
     def abort(self, slot: int) -> None:
         with self._lock:
             s = self._expect(slot, SlotState.WRITING)

@@ -1,0 +1,72 @@
+"""Turn a validated ``KVTierConfig`` into live tiers and a ``TieredStore``.
+
+The only place that maps config types to tier classes (by type, never by name string).
+Every resource is checked here, at start: pool memory, directory writability, bucket
+reachability. A failure raises ``TierError`` naming the config field to change.
+"""
+
+from __future__ import annotations
+
+from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
+from kvtier.iopool import IOPool
+from kvtier.store import LowerTier, TieredStore, WritePolicy
+from kvtier.tiers.base import Tier
+from kvtier.tiers.file import FileTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.pool import Allocator, mmap_allocator
+
+
+def build_host(cfg: HostConfig, slot_bytes: int) -> HostTier:
+    allocator: Allocator | None = mmap_allocator if cfg.pinned == "no" else None
+    return HostTier(cfg.capacity, slot_bytes, allocator=allocator)
+
+
+def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Tier:
+    setting = f"tiers[{index}]"
+    if isinstance(spec, FileConfig):
+        return FileTier(
+            spec.path,
+            spec.capacity,
+            name=f"file{index}",
+            fsync=spec.fsync,
+            touch_interval=spec.touch_interval,
+            clock=clock,
+            setting=f"{setting}.file",
+        )
+    from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
+
+    tier: Tier = S3Tier(
+        bucket=spec.bucket,
+        prefix=spec.prefix,
+        endpoint_url=spec.endpoint_url,
+        region=spec.region,
+        path_style=spec.path_style,
+        capacity_bytes=spec.capacity,
+        multipart_threshold=spec.multipart_threshold,
+        part_size=spec.part_size,
+        max_concurrency=spec.max_concurrency,
+        max_attempts=spec.max_attempts,
+        touch_interval=spec.touch_interval,
+        clock=clock,
+        name=f"s3{index}",
+        setting=f"{setting}.s3",
+    )
+    return tier
+
+
+def build_store(cfg: KVTierConfig, slot_bytes: int, *, clock: Clock = SYSTEM_CLOCK) -> TieredStore:
+    """All tiers of ``cfg`` with host slots of ``slot_bytes`` (one chunk each)."""
+    host = build_host(cfg.host, slot_bytes)
+    lower: list[LowerTier] = []
+    try:
+        for i, entry in enumerate(cfg.tiers[1:], start=1):
+            spec = entry.spec
+            assert isinstance(spec, FileConfig | S3Config)
+            lower.append(LowerTier(build_lower(spec, i, clock), WritePolicy(spec.write)))
+    except BaseException:
+        for lt in lower:
+            lt.tier.close()
+        raise
+    io = IOPool(cfg.io.threads, cfg.io.max_queued_stores)
+    return TieredStore(host, lower, io)

@@ -1,0 +1,265 @@
+"""``TieredStore``: an ordered list of tiers, host first, that owns cascade and promotion.
+
+Data flows:
+
+* ``put`` / ``reserve``+``commit`` write into the host tier only; the caller never waits on
+  storage. Each write-through tier gets the chunk queued at once. With write-back tiers the
+  chunk is *dirty* until spilled; when free-or-clean host slots fall below the reserve, the
+  coldest dirty chunks are queued for spilling, then marked clean and so evictable.
+* ``lookup`` answers "how long is the stored prefix, and where is each chunk".
+* ``load`` promotes lower-tier hits into host slots (on the IO pool, ahead of stores) and
+  hands back the chunks pinned, so they cannot be evicted before the caller copies them.
+
+Invariants:
+
+* A dirty chunk is never evicted; a failed spill counts an error and marks it clean (the
+  store is a cache: losing a chunk costs a recompute, serving a wrong one is never allowed).
+* A store queue that is full drops the write and counts it (``kvtier_drops_total``).
+* Chunks promoted from a lower tier are clean: they are already stored below.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from kvtier.iopool import IOPool
+from kvtier.keys import ChunkKey
+from kvtier.metrics import record_drop
+from kvtier.objformat import ChunkMeta
+from kvtier.tiers.base import PutStatus, Tier, WriteMode
+from kvtier.tiers.host import HostTier
+
+log = logging.getLogger("kvtier.store")
+
+HOST = 0  # tier index of the host tier in every Lookup
+
+
+class WritePolicy(StrEnum):
+    BACK = "back"
+    THROUGH = "through"
+
+
+@dataclass(frozen=True)
+class LowerTier:
+    tier: Tier
+    write: WritePolicy
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The stored prefix of a key list: ``tiers[i]`` holds ``keys[i]`` (0 = host)."""
+
+    keys: tuple[ChunkKey, ...]
+    tiers: tuple[int, ...]
+
+    @property
+    def hits(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class Pinned:
+    """Host slots pinned for reading, in key order. Release exactly once."""
+
+    store: TieredStore
+    slots: list[tuple[int, ChunkMeta]] = field(default_factory=list)
+    from_tier: list[int] = field(default_factory=list)
+
+    def view(self, i: int) -> np.ndarray:
+        slot, meta = self.slots[i]
+        return self.store.host.view(slot, meta.payload_len)
+
+    def release(self) -> None:
+        for slot, _ in self.slots:
+            self.store.host.release(slot)
+        self.slots = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class TieredStore:
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[LowerTier],
+        io: IOPool,
+        *,
+        spill_batch: int = 8,
+        clean_reserve: float = 0.1,
+    ) -> None:
+        self.host = host
+        self.lower = list(lower)
+        self.io = io
+        self._spill_batch = spill_batch
+        self._reserve_slots = max(1, int(host.pool.num_slots * clean_reserve))
+        self._back = [lt.tier for lt in self.lower if lt.write is WritePolicy.BACK]
+        self._through = [lt.tier for lt in self.lower if lt.write is WritePolicy.THROUGH]
+        self._inflight: set[Future[Any]] = set()
+        self.drops = 0
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.host, *(lt.tier for lt in self.lower)]
+
+    # -- lookup ------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
+        n_host = self.host.contains_prefix(keys)
+        where = [HOST] * n_host
+        for key in keys[n_host:]:
+            for i, tier in enumerate(self.tiers):
+                if tier.contains_prefix([key]) == 1:
+                    where.append(i)
+                    break
+            else:
+                break
+        return Lookup(tuple(keys[: len(where)]), tuple(where))
+
+    # -- writes ------------------------------------------------------------------------
+    def put(self, meta: ChunkMeta, payload: Any) -> bool:
+        """Copy one chunk into the host tier. False if it was present or had to be dropped."""
+        r = self.host.reserve(meta)
+        if r is None:
+            if not self.host.index.contains(meta.key):
+                self._drop("host_full")
+            return False
+        try:
+            src = np.frombuffer(payload, dtype=np.uint8, count=meta.payload_len)
+            np.copyto(self.host.view(r.slot, meta.payload_len), src)
+        except BaseException:
+            self.host.abort(r.slot)
+            raise
+        self.commit(r.slot, meta)
+        return True
+
+    def commit(self, slot: int, meta: ChunkMeta) -> None:
+        """Publish a slot filled after ``host.reserve``; queue its lower-tier writes."""
+        self.host.commit(slot, dirty=bool(self._back))
+        self.host.metrics.wrote(meta.payload_len)
+        for tier in self._through:
+            self._queue_write(slot, meta, [tier], spill=False)
+        if self._back:
+            self._spill_if_needed()
+
+    def _spill_if_needed(self) -> None:
+        if self.host.index.clean_or_free() >= self._reserve_slots:
+            return
+        for slot, meta in self.host.index.take_dirty(self._spill_batch):
+            self._queue_write(slot, meta, self._back, spill=True, pinned=True)
+
+    def _queue_write(
+        self, slot: int, meta: ChunkMeta, tiers: list[Tier], *, spill: bool, pinned: bool = False
+    ) -> None:
+        if not pinned and self.host.index.acquire(meta.key) is None:
+            return  # evicted before we got to it
+
+        def job() -> None:
+            try:
+                view = self.host.view(slot, meta.payload_len).data
+                ok = True
+                for tier in tiers:
+                    status = tier.put(meta, view, WriteMode.CREATE)
+                    ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
+                if spill:
+                    if not ok:
+                        log.warning("spill of %s failed; it may be evicted", meta.key.hex())
+                    self.host.index.mark_clean(slot)
+            finally:
+                self.host.release(slot)
+
+        fut = self.io.submit_store(job)
+        if fut is None:
+            self.host.release(slot)
+            self._drop("store_queue_full")
+            return
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+
+    def _drop(self, reason: str) -> None:
+        self.drops += 1
+        record_drop(reason)
+
+    # -- reads -------------------------------------------------------------------------
+    def load(self, keys: Sequence[ChunkKey]) -> Future[Pinned]:
+        """Pin the longest stored prefix of ``keys`` in host slots, promoting as needed.
+
+        Host hits are pinned at once; lower-tier hits are read on the IO pool (loads run
+        before stores). The future never raises for storage faults: a chunk that cannot
+        be read ends the prefix.
+        """
+        pinned = Pinned(self)
+        for key in keys:
+            got = self.host.acquire(key)
+            if got is None:
+                break
+            pinned.slots.append(got)
+            pinned.from_tier.append(HOST)
+        rest = list(keys[len(pinned.slots) :])
+        if not rest:
+            done: Future[Pinned] = Future()
+            done.set_result(pinned)
+            return done
+        return self.io.submit_load(lambda: self._promote(pinned, rest))
+
+    def _promote(self, pinned: Pinned, keys: list[ChunkKey]) -> Pinned:
+        for key in keys:
+            got = self._promote_one(key)
+            if got is None:
+                break
+            pinned.slots.append(got[0])
+            pinned.from_tier.append(got[1])
+        return pinned
+
+    def _promote_one(self, key: ChunkKey) -> tuple[tuple[int, ChunkMeta], int] | None:
+        for i, lt in enumerate(self.lower, start=1):
+            if lt.tier.contains_prefix([key]) == 0:
+                continue
+            probe = ChunkMeta(b"", key, None, 0, "uint8", (0,), 0)
+            r = self.host.reserve(probe)
+            if r is None:
+                got = self.host.acquire(key)  # promoted concurrently by someone else
+                return (got, HOST) if got is not None else None
+            try:
+                meta = lt.tier.get_into(key, self.host.view(r.slot).data)
+            except BaseException:
+                self.host.abort(r.slot)
+                raise
+            if meta is None:
+                self.host.abort(r.slot)
+                continue
+            self.host.index.set_meta(r.slot, meta)
+            self.host.commit(r.slot, dirty=False)
+            got = self.host.acquire(key)
+            return (got, i) if got is not None else None
+        return None
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+        """Synchronous read of one chunk from the highest tier that has it."""
+        pinned = self.load([key]).result()
+        try:
+            if not pinned.slots:
+                return None
+            meta = pinned.slots[0][1]
+            np.copyto(np.frombuffer(dst, dtype=np.uint8, count=meta.payload_len), pinned.view(0))
+            return meta
+        finally:
+            pinned.release()
+
+    # -- life cycle --------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every queued lower-tier write has finished."""
+        while self._inflight:
+            for fut in list(self._inflight):
+                fut.exception()
+
+    def close(self) -> None:
+        self.io.close()
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,124 @@
+"""TieredStore: lookup across tiers, write-through, write-back spill, promotion, drops."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.clock import ManualClock
+from kvtier.iopool import IOPool
+from kvtier.store import HOST, LowerTier, TieredStore, WritePolicy
+from kvtier.tiers.file import FileTier
+from kvtier.tiers.host import HostTier
+from tests.tiers.harness import PAYLOAD, make_key, meta_for, payload_for
+
+
+def _store(tmp: Path, host_slots: int, write: WritePolicy, *, queue: int = 64) -> TieredStore:
+    host = HostTier(host_slots * PAYLOAD, PAYLOAD)
+    file = FileTier(tmp / "file", 1 << 30, clock=ManualClock())
+    return TieredStore(host, [LowerTier(file, write)], IOPool(2, queue))
+
+
+@pytest.fixture
+def through(tmp_path: Path) -> Iterator[TieredStore]:
+    s = _store(tmp_path, 4, WritePolicy.THROUGH)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def back(tmp_path: Path) -> Iterator[TieredStore]:
+    s = _store(tmp_path, 10, WritePolicy.BACK)
+    yield s
+    s.close()
+
+
+def _put(store: TieredStore, i: int) -> bool:
+    key = make_key(i)
+    return store.put(meta_for(key), payload_for(key))
+
+
+def test_write_through_reaches_lower_tier_at_once(through: TieredStore) -> None:
+    keys = [make_key(i) for i in range(3)]
+    for i in range(3):
+        assert _put(through, i)
+    through.flush()
+    assert through.lower[0].tier.contains_prefix(keys) == 3
+    assert through.lookup(keys).tiers == (HOST, HOST, HOST)
+
+
+def test_lookup_reports_prefix_and_location(through: TieredStore) -> None:
+    for i in range(6):  # host holds 4: the first two are evicted to the file tier only
+        _put(through, i)
+        through.flush()
+    lk = through.lookup([make_key(i) for i in range(8)])
+    assert lk.hits == 6
+    assert lk.tiers == (1, 1, HOST, HOST, HOST, HOST)
+
+
+def test_load_promotes_and_pins(through: TieredStore) -> None:
+    for i in range(6):
+        _put(through, i)
+        through.flush()
+    keys = [make_key(i) for i in (0, 1)]
+    pinned = through.load(keys).result(timeout=30)
+    try:
+        assert pinned.from_tier == [1, 1]
+        for j, key in enumerate(keys):
+            np.testing.assert_array_equal(pinned.view(j), payload_for(key))
+        assert through.lookup(keys).tiers == (HOST, HOST)
+    finally:
+        pinned.release()
+
+
+def test_pinned_chunks_are_not_evicted(through: TieredStore) -> None:
+    for i in range(4):
+        _put(through, i)
+    through.flush()
+    pinned = through.load([make_key(i) for i in range(4)]).result(timeout=30)
+    assert not _put(through, 9)  # every slot pinned: dropped, not blocking
+    assert through.drops == 1
+    pinned.release()
+    assert _put(through, 9)
+
+
+def test_write_back_spills_before_evicting(back: TieredStore) -> None:
+    for i in range(30):  # 3x the host pool
+        assert _put(back, i)
+        back.flush()
+    keys = [make_key(i) for i in range(30)]
+    lk = back.lookup(keys)
+    assert lk.hits == 30, "every chunk is in host or spilled below"
+    buf = np.zeros(PAYLOAD, dtype=np.uint8)
+    for key in keys:
+        assert back.get_into(key, memoryview(buf)) is not None
+        np.testing.assert_array_equal(buf, payload_for(key))
+
+
+def test_load_stops_at_first_missing_chunk(through: TieredStore) -> None:
+    _put(through, 0)
+    _put(through, 2)
+    pinned = through.load([make_key(i) for i in range(3)]).result(timeout=30)
+    assert len(pinned) == 1
+    pinned.release()
+
+
+def test_full_store_queue_drops_and_counts(tmp_path: Path) -> None:
+    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
+
+    gate = threading.Event()
+    started = [threading.Event(), threading.Event()]
+    for ev in started:  # hold both workers so the queue fills
+        s.io.submit_load(lambda ev=ev: (ev.set(), gate.wait()))
+    assert all(ev.wait(timeout=10) for ev in started)
+    try:
+        for i in range(4):
+            _put(s, i)
+        assert s.drops == 3
+    finally:
+        gate.set()
+        s.close()
