@@ -1,0 +1,164 @@
+"""The ``kvtier`` command: check a config, inspect and collect tiers.
+
+Exit codes: 0 success; 1 a check failed (data mismatch); 2 bad usage or invalid config;
+3 a resource is unusable (memory, directory, bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import numpy as np
+
+from kvtier.build import build_lower, build_store
+from kvtier.clock import SYSTEM_CLOCK
+from kvtier.config import ConfigError, FileConfig, KVTierConfig, S3Config, load_config
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta
+from kvtier.sizes import format_size, parse_size
+from kvtier.tiers.base import PutStatus, Tier, TierError
+from kvtier.tiers.file import FileTier
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_RESOURCE = 0, 1, 2, 3
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def _probe_meta(key: ChunkKey, n: int) -> ChunkMeta:
+    return ChunkMeta(b"kvtier-check".ljust(16, b"\0"), key, None, 0, "uint8", (n,), n)
+
+
+def _probe_tier(tier: Tier, chunk: int, count: int) -> tuple[float, float]:
+    """Write, read back and delete ``count`` probe objects. Returns (put, get) bytes/s."""
+    rng = np.random.default_rng()
+    payloads = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(count)]
+    keys = [ChunkKey(secrets.token_bytes(16)) for _ in range(count)]
+    try:
+        t0 = time.perf_counter()
+        for key, p in zip(keys, payloads, strict=True):
+            status = tier.put(_probe_meta(key, chunk), p.data)
+            if status is not PutStatus.STORED:
+                raise CheckFailed(f"{tier.name}: probe write returned {status.value}")
+        t1 = time.perf_counter()
+        buf = np.empty(chunk, dtype=np.uint8)
+        for key, p in zip(keys, payloads, strict=True):
+            if tier.get_into(key, buf.data) is None or not np.array_equal(buf, p):
+                raise CheckFailed(f"{tier.name}: probe read back wrong or missing")
+        t2 = time.perf_counter()
+    finally:
+        tier.delete(keys)
+    total = chunk * count
+    return total / max(t1 - t0, 1e-9), total / max(t2 - t1, 1e-9)
+
+
+def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    chunk = parse_size(args.chunk_size)
+    store = build_store(cfg, chunk)
+    try:
+        print(f"config ok: {len(cfg.tiers)} tiers, chunk_tokens={cfg.chunk_tokens}")
+        print(f"{'tier':<10} {'kind':<6} {'capacity':>10} {'put GB/s':>9} {'get GB/s':>9}")
+        for tier in store.tiers:
+            put_bw, get_bw = _probe_tier(tier, chunk, args.count)
+            cap = format_size(tier.usage().capacity)
+            kind = type(tier).__name__.removesuffix("Tier").lower()
+            print(f"{tier.name:<10} {kind:<6} {cap:>10} {put_bw / 1e9:>9.2f} {get_bw / 1e9:>9.2f}")
+    finally:
+        store.close()
+    print("check passed")
+    return EXIT_OK
+
+
+def _lower_tiers(cfg: KVTierConfig, only: int | None) -> list[Tier]:
+    out = []
+    for i, entry in enumerate(cfg.tiers[1:], start=1):
+        if only is not None and i != only:
+            continue
+        spec = entry.spec
+        assert isinstance(spec, FileConfig | S3Config)
+        out.append(build_lower(spec, i, SYSTEM_CLOCK))
+    if only is not None and not out:
+        raise ConfigError(f"--tier {only}: no such persistent tier (tiers[1..] only)")
+    return out
+
+
+def cmd_ls(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    for tier in _lower_tiers(cfg, args.tier):
+        for info in sorted(tier.scan(), key=lambda o: o.last_used):
+            when = datetime.fromtimestamp(info.last_used, UTC).isoformat(timespec="seconds")
+            print(f"{tier.name}\t{info.key.hex()}\t{info.size}\t{when}")
+    return EXIT_OK
+
+
+def cmd_stats(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    print(f"{'tier':<10} {'objects':>9} {'used':>10} {'capacity':>10} {'use%':>6}")
+    for tier in _lower_tiers(cfg, args.tier):
+        u = tier.usage()
+        pct = 100 * u.bytes / u.capacity if u.capacity else 0.0
+        print(f"{tier.name:<10} {u.objects:>9} {format_size(u.bytes):>10} "
+              f"{format_size(u.capacity):>10} {pct:>6.1f}")
+    return EXIT_OK
+
+
+def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    for tier in _lower_tiers(cfg, args.tier):
+        temps = tier.remove_stale_temps() if isinstance(tier, FileTier) else 0
+        freed = tier.collect()
+        u = tier.usage()
+        print(f"{tier.name}: freed {format_size(freed)}, removed {temps} stale temp files; "
+              f"now {u.objects} objects, {format_size(u.bytes)} of {format_size(u.capacity)}")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="validate a config and probe every tier")
+    c.add_argument("config")
+    c.add_argument("--chunk-size", default="4MiB", help="probe object size (default 4MiB)")
+    c.add_argument("--count", type=int, default=16, help="probe objects per tier")
+    c.set_defaults(fn=cmd_check)
+    for name, fn, help_ in (
+        ("ls", cmd_ls, "list the objects of the persistent tiers"),
+        ("stats", cmd_stats, "summarise the persistent tiers"),
+        ("gc", cmd_gc, "enforce capacity on the persistent (shared) tiers"),
+    ):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config")
+        s.add_argument("--tier", type=int, default=None, help="only tiers[N]")
+        s.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+        rc: int = args.fn(cfg, args)
+        return rc
+    except ConfigError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except TierError as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return EXIT_RESOURCE
+    except CheckFailed as e:
+        print(f"kvtier: check failed: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Faults of the backing store: killed writers, full disks, damaged objects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.objformat import HEADER_SPAN
+from kvtier.tiers.base import PutStatus
+from kvtier.tiers.file import FileTier
+from tests.tiers.harness import make_key, meta_for, payload_for
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 256 * 1024
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests._writer_proc", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
+    proc = _spawn(str(tmp_path))
+    assert proc.stdout is not None
+    stored = []
+    for line in proc.stdout:
+        i, status, _ = line.split()
+        if status == PutStatus.STORED.value:
+            stored.append(int(i))
+        if len(stored) >= 40:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    tier = FileTier(tmp_path, 1 << 40)  # a restart: the index is rebuilt from disk
+    buf = np.empty(CHUNK, dtype=np.uint8)
+    for i in stored:
+        key = make_key(i)
+        assert tier.get_into(key, memoryview(buf)) is not None, f"chunk {i} lost"
+        np.testing.assert_array_equal(buf, payload_for(key, CHUNK))
+    for info in list(tier.scan()):  # whatever else is visible is whole, never partial
+        assert info.size == HEADER_SPAN + CHUNK
+        assert tier.get_into(info.key, memoryview(buf)) is not None
+    assert tier.metrics.counts.corruptions == 0
+    assert tier.remove_stale_temps(older_than=-1) >= 0
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a real filesystem that fills up."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); see the EFBIG test")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_counts_errors_and_keeps_answering(tiny_fs: Path) -> None:
+    tier = FileTier(tiny_fs, 1 << 40)  # the tier believes in space the disk lacks
+    statuses = []
+    for i in range(8):
+        key = make_key(i)
+        statuses.append(tier.put(meta_for(key, CHUNK), payload_for(key, CHUNK).data))
+    assert PutStatus.FAILED in statuses
+    assert tier.metrics.counts.errors == statuses.count(PutStatus.FAILED)
+    assert not list(tiny_fs.rglob("*.tmp")), "failed writes clean up their temp files"
+    buf = np.empty(CHUNK, dtype=np.uint8)
+    for i, status in enumerate(statuses):
+        got = tier.get_into(make_key(i), memoryview(buf))
+        assert (got is not None) == (status is PutStatus.STORED)
+
+
+def test_file_size_limit_fails_puts_cleanly(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes the kernel refuse writes (EFBIG): no crash, counted, no debris."""
+    proc = _spawn(str(tmp_path), str(CHUNK // 2))  # no object fits under the limit
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    lines = [ln.split() for ln in out.splitlines()]
+    assert len(lines) == 8
+    assert all(ln[1] == PutStatus.FAILED.value for ln in lines)
+    assert int(lines[-1][2]) == 8, "every failure is counted"
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert FileTier(tmp_path, 1 << 40).usage().objects == 0
+
+
+def test_unwritable_directory_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    from kvtier.tiers.base import TierError
+
+    target = tmp_path / "file-not-dir"
+    target.write_text("x")
+    with pytest.raises(TierError, match=r"path: .* not a writable directory"):
+        FileTier(target, 1 << 30, setting="tiers[1].file")
+    if os.geteuid() != 0:  # root ignores permissions
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(TierError, match="not a writable directory"):
+            FileTier(ro, 1 << 30)
+
+
+def test_host_pool_too_big_fails_at_start_with_numbers() -> None:
+    from kvtier.tiers.base import TierError
+    from kvtier.tiers.host import HostTier
+
+    with pytest.raises(TierError, match=r"cannot allocate .*TiB host pool, only .* available"):
+        HostTier(64 * 2**40, 2**20)
+    with pytest.raises(TierError, match="holds no chunk"):
+        HostTier(1024, 2**20)
