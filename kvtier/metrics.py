@@ -95,3 +95,25 @@ def record_drop(reason: str) -> None:
 
 def set_queue_depth(queue: str, depth: int) -> None:
     _QUEUE.labels(queue).set(depth)
+
+
+_RESTORED = Counter(
+    "kvtier_restored_tokens_total", "Tokens restored into vLLM's KV cache", ["tier"]
+)
+_RESTORES = Counter("kvtier_restored_requests_total", "Requests served a restore")
+_SPILLED = Counter("kvtier_spilled_bytes_total", "Bytes copied out of vLLM by the eviction hook")
+_WT_BASELINE = Counter(
+    "kvtier_write_through_baseline_bytes_total",
+    "Bytes a write-through of every completed chunk would have copied",
+)
+
+
+def record_restore(tokens_by_tier: dict[str, int]) -> None:
+    _RESTORES.inc()
+    for tier, n in tokens_by_tier.items():
+        _RESTORED.labels(tier).inc(n)
+
+
+def record_spill(spilled: int, baseline: int) -> None:
+    _SPILLED.inc(spilled)
+    _WT_BASELINE.inc(baseline)

@@ -253,6 +253,14 @@ class TieredStore:
             pinned.release()
 
     # -- life cycle --------------------------------------------------------------------
+    def drop_host(self) -> int:
+        """Spill every dirty chunk, then drop every unpinned host chunk. Returns drops."""
+        while batch := self.host.index.take_dirty(64):
+            for slot, meta in batch:
+                self._queue_write(slot, meta, self._back, spill=True, pinned=True)
+            self.flush()
+        return self.host.delete([meta.key for _, meta in self.host.index.entries()])
+
     def flush(self) -> None:
         """Wait until every queued lower-tier write has finished."""
         while self._inflight:

@@ -32,9 +32,12 @@ class HostTier:
         policy: EvictionPolicy | None = None,
         allocator: Allocator | None = None,
         name: str = "host",
+        check_memory: bool = True,
     ) -> None:
         self._name = name
-        self.pool = HostPool(capacity_bytes, slot_bytes, allocator=allocator)
+        self.pool = HostPool(
+            capacity_bytes, slot_bytes, allocator=allocator, check_memory=check_memory
+        )
         self.index = SlotIndex(self.pool.num_slots, policy or LRUPolicy())
         self.metrics = TierMetrics(name)
 

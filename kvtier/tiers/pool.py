@@ -66,6 +66,7 @@ class HostPool:
         *,
         allocator: Allocator | None = None,
         setting: str = "tiers[0].host.capacity",
+        check_memory: bool = True,
     ) -> None:
         if slot_bytes <= 0:
             raise TierError(f"host pool: slot size must be > 0, got {slot_bytes}")
@@ -76,7 +77,7 @@ class HostPool:
                 f"{format_size(slot_bytes)}; raise the capacity or lower chunk_tokens"
             )
         nbytes = num_slots * slot_bytes
-        avail = mem_available()
+        avail = mem_available() if check_memory else None
         if avail is not None and nbytes > avail:
             raise TierError(
                 f"{setting}: cannot allocate a {format_size(nbytes)} host pool, only "
@@ -91,7 +92,7 @@ class HostPool:
             ) from e
         self._buf = buf  # keeps the allocation alive
         self._arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-        if not self.pinned:
+        if not self.pinned and check_memory:
             self._arr[:: mmap.PAGESIZE] = 0  # pre-fault every page now, not on first use
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes

@@ -1,0 +1,490 @@
+"""``S3Tier``: chunks as objects in an S3 bucket (AWS or any S3-compatible endpoint).
+
+Layout: ``<prefix>kv/<k[0:2]>/<key-hex>.kv``, one self-describing object per chunk
+(``kvtier.objformat``). Names are hex only, so no key can escape ``prefix``. This module
+keeps the index, recency and capacity; ``kvtier.tiers.s3io`` moves the bytes.
+
+Invariants:
+
+* A PUT is atomic: readers see the whole object or none. CREATE is a conditional put
+  (``If-None-Match: *``; the endpoint must support conditional writes, as AWS, MinIO and
+  moto do), so it never replaces an object, not even one another node wrote a moment
+  ago; OVERWRITE is a plain put. Objects above ``multipart_threshold`` go up as a
+  multipart upload with parallel parts.
+* A GET is ranged GETs streamed straight into the caller's buffer, in parallel above
+  ``part_size``, all from one object version. Header and payload are verified before the
+  meta is returned. A corrupt object is counted and deleted, but only if it is still the
+  version that was read (``If-Match``); a version replaced mid-read is a plain miss.
+* Recency is shared by all nodes: a hit rewrites the object's ``kvtier-used`` metadata
+  (kvtier's wall clock) with a server-side copy onto itself, at most once per
+  ``touch_interval``; that also refreshes LastModified for listings.
+* The index (coldest first, by kvtier's clock) is rebuilt by listing the prefix at start
+  and on ``rescan()``; a listing has only LastModified, which stands in for recency.
+  Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
+  re-reads each victim's recency with a HEAD, keeps those another node used since, and
+  deletes the rest in batches conditioned on the ETag it saw.
+* Endpoint faults are retried by botocore (standard mode: backoff, ``max_attempts`` tries
+  in all, connect/read timeouts), then counted and turned into misses or
+  ``PutStatus.FAILED``; data-path methods never raise them. Credentials come only from
+  boto3's standard chain. Neither they, the client config nor exception texts (which can
+  quote requests) are ever logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ReadTimeoutError,
+)
+
+from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.keys import ChunkKey, key_from_hex
+from kvtier.metrics import TierMetrics
+from kvtier.objformat import (
+    HEADER_SPAN,
+    ChunkMeta,
+    CorruptObject,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from kvtier.tiers.base import (
+    ObjectInfo,
+    PutStatus,
+    TierError,
+    TierUsage,
+    WriteMode,
+    as_bytes_view,
+)
+from kvtier.tiers.s3io import (
+    MIN_PART,
+    S3_ERRORS,
+    Changed,
+    Exists,
+    Head,
+    MiB,
+    Missing,
+    ObjectIO,
+    code,
+    describe,
+    make_client,
+    status,
+)
+
+log = logging.getLogger("kvtier.s3")
+
+_USED = "kvtier-used"  # object metadata: kvtier wall-clock time of the last use
+_SUFFIX = ".kv"
+_DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
+_GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
+
+
+@dataclass
+class _Entry:
+    size: int
+    last_used: float  # recency for ordering: kvtier-used, or LastModified when listed
+    touched: float = float("-inf")  # when this node last wrote recency (kvtier's clock)
+
+
+def _used(head: Head) -> float:
+    try:
+        return float(head.metadata[_USED])
+    except (KeyError, ValueError):
+        return head.last_modified  # written by something other than kvtier
+
+
+class S3Tier:
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        capacity_bytes: int,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        path_style: bool = False,
+        multipart_threshold: int = 64 * MiB,
+        part_size: int = 16 * MiB,
+        max_concurrency: int = 4,
+        max_attempts: int = 5,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 10.0,
+        touch_interval: float = 60.0,
+        low_watermark: float = 0.9,
+        clock: Clock = SYSTEM_CLOCK,
+        name: str = "s3",
+        setting: str = "s3",
+    ) -> None:
+        self._name = name
+        self._setting = setting
+        self.bucket = bucket
+        self.prefix = "".join(f"{p}/" for p in prefix.split("/") if p)  # "/a//b" -> "a/b/"
+        self.endpoint_url = endpoint_url
+        self.capacity = capacity_bytes
+        self._touch_interval = touch_interval
+        self._low_watermark = low_watermark
+        self._clock = clock
+        self.metrics = TierMetrics(name)
+        self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # coldest first
+        self._bytes = 0
+        self._lock = threading.RLock()  # guards _index and _bytes; I/O happens outside it
+        self._collecting = threading.Lock()  # one collection at a time
+        self._faulting = False  # log the first fault of an outage; count the rest
+        for ok, problem in [
+            (capacity_bytes > 0, f"capacity: must be > 0, got {capacity_bytes}"),
+            (part_size >= MIN_PART, f"part_size: {part_size} is below S3's 5 MiB minimum"),
+            (max_concurrency >= 1, f"max_concurrency: must be >= 1, got {max_concurrency}"),
+            (max_attempts >= 1, f"max_attempts: must be >= 1, got {max_attempts}"),
+            (0 < low_watermark <= 1, f"low_watermark: must be in (0, 1], got {low_watermark}"),
+        ]:
+            if not ok:
+                raise TierError(f"{setting}.{problem}")
+        session = boto3.session.Session(region_name=region)
+        pool = max(10, 4 * max_concurrency)
+        make = functools.partial(make_client, session, endpoint_url, path_style, pool=pool)
+        probe = make(min(connect_timeout, 2.0), min(read_timeout, 5.0), min(max_attempts, 2))
+        try:
+            self._check_bucket(probe)
+        finally:
+            probe.close()
+        self.io = ObjectIO(
+            make(connect_timeout, read_timeout, max_attempts),
+            bucket,
+            part_size=part_size,
+            multipart_threshold=multipart_threshold,
+            workers=max_concurrency,
+        )
+        try:
+            self.rescan()
+        except TierError:
+            self.io.close()
+            raise
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _check_bucket(self, probe: Any) -> None:
+        s, bucket, where = self._setting, self.bucket, self.endpoint_url or "AWS S3"
+        try:
+            probe.head_bucket(Bucket=bucket)
+            return
+        except NoCredentialsError:
+            msg = (
+                f"{s}: no AWS credentials found; provide them through the standard chain "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials "
+                "or an instance role)"
+            )
+        except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError):
+            msg = f"{s}.endpoint_url: cannot reach {where}; start the endpoint or fix the URL"
+        except ClientError as e:
+            msg = {
+                404: f"{s}.bucket: bucket {bucket!r} does not exist at {where}; "
+                "create it or fix the name",
+                403: f"{s}.bucket: access to bucket {bucket!r} at {where} was denied "
+                "(HTTP 403); check the credentials in the standard AWS chain and that they "
+                "may read, write and list this bucket",
+                301: f"{s}.region: bucket {bucket!r} is in another region; set region to it",
+            }.get(
+                status(e),
+                f"{s}: {where} answered {describe(e)} for bucket {bucket!r}; "
+                "check endpoint_url, region and path_style",
+            )
+        except BotoCoreError as e:
+            msg = f"{s}.endpoint_url: talking to {where} failed ({describe(e)}); check the URL"
+        raise TierError(msg)
+
+    def _fault(self, op: str, e: Exception) -> None:
+        self.metrics.error(op)
+        if not self._faulting:
+            what = f"S3 {op} failed ({describe(e)}); counting, not logging, until it recovers"
+            log.warning("%s: %s", self._name, what)
+        self._faulting = True
+
+    def object_name(self, key: ChunkKey) -> str:
+        h = key.hex()
+        return f"{self.prefix}kv/{h[0:2]}/{h}{_SUFFIX}"
+
+    def _key_of(self, name: str) -> ChunkKey | None:
+        try:
+            key = key_from_hex(name[len(self.prefix) + 6 : -len(_SUFFIX)])
+        except ValueError:
+            return None
+        return key if name == self.object_name(key) else None
+
+    # -- index ---------------------------------------------------------------------------
+    def rescan(self) -> None:
+        """Rebuild the index by listing the prefix (other nodes' objects included)."""
+        found: list[tuple[float, ChunkKey, int]] = []
+        try:
+            pages = self.io.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=f"{self.prefix}kv/"
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    key = self._key_of(obj["Key"])
+                    if key is not None:
+                        found.append((obj["LastModified"].timestamp(), key, int(obj["Size"])))
+        except S3_ERRORS as e:
+            raise TierError(
+                f"{self._setting}: listing s3://{self.bucket}/{self.prefix}kv/ failed "
+                f"({describe(e)}); the credentials need s3:ListBucket on this bucket"
+            ) from None
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, _Entry(size, used)) for used, k, size in found)
+            self._bytes = sum(e.size for e in self._index.values())
+        self.metrics.used(self._bytes)
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            e = self._index.pop(key, None)
+            if e is not None:
+                self._bytes -= e.size
+
+    def _remember(
+        self, key: ChunkKey, size: int, last_used: float, touched: float = float("-inf")
+    ) -> None:
+        with self._lock:
+            self._forget(key)
+            self._index[key] = _Entry(size, last_used, touched)
+            self._bytes += size
+
+    def _known(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            head = self.io.head(self.object_name(key))
+        except S3_ERRORS as e:
+            self._fault("head", e)
+            return False
+        if head is None:
+            return False
+        self._remember(key, head.size, _used(head))
+        return True
+
+    # -- Tier protocol -------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        for i, key in enumerate(keys):
+            if not self._known(key):
+                return i
+        return len(keys)
+
+    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+        t0 = time.perf_counter()
+        dst = as_bytes_view(dst)
+        name = self.object_name(key)
+        head = memoryview(bytearray(HEADER_SPAN))
+        cap = HEADER_SPAN + dst.nbytes
+        with self._lock:
+            entry = self._index.get(key)
+            plan = max(1, min(entry.size, cap)) if entry is not None else cap
+        try:
+            total, etag = self.io.read(name, head, dst, plan)
+        except (Missing, Changed) as e:
+            if isinstance(e, Missing):
+                self._forget(key)
+            self.metrics.miss()
+            return None
+        except S3_ERRORS as e:
+            self._fault("get", e)
+            self.metrics.miss()
+            return None
+        try:
+            span = head[: min(total, HEADER_SPAN)]
+            meta, csum = decode_header(span, expect_key=key, object_len=total)
+            if meta.payload_len > dst.nbytes:
+                raise ValueError(
+                    f"buffer of {dst.nbytes} bytes is too small for a {meta.payload_len}-byte chunk"
+                )
+            verify_payload(meta, csum, dst[: meta.payload_len])
+        except CorruptObject as e:
+            self._quarantine(key, name, etag, str(e))
+            self.metrics.miss()
+            return None
+        self._faulting = False
+        self._touch(key, name, total, etag)
+        self.metrics.hit(meta.payload_len)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return meta
+
+    def _touch(self, key: ChunkKey, name: str, size: int, etag: str) -> None:
+        now = self._clock.wall()
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None and now - entry.touched < self._touch_interval:
+                entry.last_used = now  # this node's view; the shared one waits for the next
+                self._index.move_to_end(key)
+                return
+        cond = {"CopySourceIfMatch": etag} if etag else {}
+        try:
+            self.io.client.copy_object(
+                Bucket=self.bucket,
+                Key=name,
+                CopySource={"Bucket": self.bucket, "Key": name},
+                MetadataDirective="REPLACE",
+                Metadata={_USED: repr(now)},
+                **cond,
+            )
+        except ClientError as e:
+            if code(e) not in _GONE:  # else deleted or replaced: the next lookup notices
+                self._fault("touch", e)
+        except BotoCoreError as e:
+            self._fault("touch", e)
+        self._remember(key, size, now, now)
+
+    def _quarantine(self, key: ChunkKey, name: str, etag: str, why: str) -> None:
+        """Delete a corrupt object, unless someone replaced it since it was read."""
+        self.metrics.corrupt()
+        log.warning("corrupt object s3://%s/%s removed: %s", self.bucket, name, why)
+        cond = {"IfMatch": etag} if etag else {}
+        try:
+            self.io.client.delete_object(Bucket=self.bucket, Key=name, **cond)
+        except ClientError as e:
+            if code(e) not in _GONE:
+                self._fault("delete", e)
+        except BotoCoreError as e:
+            self._fault("delete", e)
+        self._forget(key)
+
+    def put(
+        self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
+    ) -> PutStatus:
+        t0 = time.perf_counter()
+        create = mode is WriteMode.CREATE
+        with self._lock:
+            if create and meta.key in self._index:
+                return PutStatus.EXISTS
+        if meta.object_len > self.capacity:
+            return PutStatus.NO_SPACE
+        body = as_bytes_view(payload)
+        head = memoryview(encode_header(meta, body))
+        now = self._clock.wall()
+        try:
+            self.io.write(self.object_name(meta.key), head, body, {_USED: repr(now)}, create=create)
+        except Exists:
+            return PutStatus.EXISTS
+        except S3_ERRORS as e:
+            self._fault("put", e)
+            return PutStatus.FAILED
+        self._faulting = False
+        self._remember(meta.key, meta.object_len, now, now)
+        self.metrics.wrote(meta.payload_len)
+        self.metrics.observe("put", time.perf_counter() - t0)
+        self.collect()
+        self.metrics.used(self._bytes)
+        return PutStatus.STORED
+
+    def delete(self, keys: Iterable[ChunkKey]) -> int:
+        doomed = {self.object_name(k): (k, "") for k in keys if self._known(k)}
+        return self._delete(doomed, evicting=False)[0]
+
+    def _delete(
+        self, doomed: dict[str, tuple[ChunkKey, str]], *, evicting: bool
+    ) -> tuple[int, int]:
+        """Batch-delete ``{name: (key, etag or "")}``; an ETag makes that delete conditional.
+        Returns ``(objects, bytes)`` deleted."""
+        n = freed = 0
+        names = list(doomed)
+        for i in range(0, len(names), _DELETE_BATCH):
+            batch = names[i : i + _DELETE_BATCH]
+            objs = [{"Key": k, "ETag": doomed[k][1]} if doomed[k][1] else {"Key": k} for k in batch]
+            try:
+                r = self.io.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True}
+                )
+            except S3_ERRORS as e:
+                self._fault("collect" if evicting else "delete", e)
+                break
+            kept = {err["Key"] for err in r.get("Errors", [])}  # e.g. replaced since
+            for obj in objs:
+                if obj["Key"] in kept:
+                    continue
+                key = doomed[obj["Key"]][0]
+                with self._lock:
+                    entry = self._index.get(key)
+                    freed += entry.size if entry is not None else 0
+                    self._forget(key)
+                n += 1
+        if evicting:
+            self.metrics.evicted(n)
+        self.metrics.used(self._bytes)
+        return n, freed
+
+    def scan(self) -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = list(self._index.items())
+        for key, e in items:
+            yield ObjectInfo(key, e.size, e.last_used)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._index), self._bytes, self.capacity)
+
+    # -- capacity ------------------------------------------------------------------------
+    def collect(self) -> int:
+        """Delete least recently used objects until usage is under the low watermark."""
+        if not self._collecting.acquire(blocking=False):
+            return 0  # another thread is collecting right now
+        try:
+            with self._lock:
+                if self._bytes <= self.capacity:
+                    return 0
+            freed = 0
+            for _ in range(3):  # victims another node used meanwhile are kept; pick again
+                victims = self._victims(int(self.capacity * self._low_watermark))
+                if not victims:
+                    break
+                try:
+                    heads = self.io.parallel(lambda k: self.io.head(self.object_name(k)), victims)
+                except S3_ERRORS as e:
+                    self._fault("collect", e)
+                    break
+                freed += self._evict(victims, heads)
+            return freed
+        finally:
+            self._collecting.release()
+
+    def _victims(self, target: int) -> list[ChunkKey]:
+        """The coldest keys whose removal brings usage down to ``target`` bytes."""
+        with self._lock:
+            excess, out = self._bytes - target, []
+            for key, entry in self._index.items():
+                if excess <= 0:
+                    break
+                out.append(key)
+                excess -= entry.size
+            return out
+
+    def _evict(self, victims: list[ChunkKey], heads: list[Head | None]) -> int:
+        doomed: dict[str, tuple[ChunkKey, str]] = {}
+        for key, head in zip(victims, heads, strict=True):
+            with self._lock:
+                entry = self._index.get(key)
+            if entry is None:
+                continue
+            if head is None:
+                self._forget(key)  # already gone
+            elif _used(head) > entry.last_used + 1e-3:  # another node used it since
+                self._remember(key, head.size, _used(head))
+            else:
+                doomed[self.object_name(key)] = (key, head.etag)
+        return self._delete(doomed, evicting=True)[1]
+
+    def close(self) -> None:
+        self.io.close()

@@ -1,0 +1,158 @@
+"""``KVTierConnector``: kvtier as a vLLM v1 KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config": "configs/local.yaml"}}'
+
+vLLM constructs one instance per process: role SCHEDULER in the engine core (bookkeeping,
+``scheduler_side.SchedulerSide``) and role WORKER in each worker (bytes,
+``worker_side.WorkerSide``). This class only routes vLLM's hooks to the side that owns
+them; bad settings fail here, at engine start, naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.vllm.geometry import geometry_from_kv_cache_config, namespace_for
+from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.settings import parse_extra_config
+from kvtier.vllm.shm import pool_path
+from kvtier.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.outputs import KVConnectorOutput
+
+
+def _share_vllm_logging() -> None:
+    """Send kvtier's log records through vLLM's handlers (once per process)."""
+    ours = logging.getLogger("kvtier")
+    if not ours.handlers:
+        theirs = logging.getLogger("vllm")
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_logging()
+        if kv_cache_config is None:
+            raise ValueError("KVTierConnector needs vLLM >= 0.11 (kv_cache_config argument)")
+        settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        cfg = settings.config
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        if tp != 1:
+            raise NotImplementedError(
+                f"kvtier supports tensor_parallel_size 1 for now (got {tp}); "
+                "per-rank pools are on the roadmap (docs/architecture.md)"
+            )
+        geometry = geometry_from_kv_cache_config(kv_cache_config)
+        geometry.blocks_per_chunk(cfg.chunk_tokens)  # fail early on a bad chunk size
+        ns = namespace_for(
+            vllm_config, kv_cache_config, geometry, cfg.chunk_tokens, settings.model_fingerprint
+        )
+        engine_id = str(self._kv_transfer_config.engine_id)
+        path = pool_path(engine_id, ns.tp_rank)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(cfg, geometry, ns, path)
+        else:
+            layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
+            self._worker = WorkerSide(cfg, geometry, layers, path)
+
+    # -- scheduler side ------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._sched is not None, "called on the worker side"
+        return self._sched
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "called on the scheduler side"
+        return self._worker
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler_side.build_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.on_worker_output(
+            connector_output.finished_sending, connector_output.kv_connector_worker_meta
+        )
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids), None
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_saves()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset() if self._sched is not None else None
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        w = self.worker_side
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        backend_cls = ctx[w.layer_names[0]].get_attn_backend()
+        name = getattr(self._kv_cache_config, "kv_cache_layout", None)
+        layout = KVCacheLayout[name] if name else None
+        w.register(kv_caches, backend_cls, layout, int(self._kv_cache_config.num_blocks))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self.worker_side.run(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.close()
+        if self._worker is not None:
+            self._worker.close()

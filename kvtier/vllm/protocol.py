@@ -1,0 +1,46 @@
+"""What the scheduler side tells the worker side each step, and what comes back.
+
+Plain dataclasses of ints and strings, so they survive any of vLLM's serialisers.
+A ``CopyOp`` moves the blocks of one chunk: ``block_ids[i]`` is chunk block
+``first + i``; its bytes are in host slot ``slot`` (kvtier's chunk layout,
+``kvtier/ops/layout.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class CopyOp:
+    req_id: str
+    slot: int
+    block_ids: list[int]
+    first: int = 0
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    step: int = 0
+    loads: list[CopyOp] = field(default_factory=list)  # host slot -> KV cache, this step
+    saves: list[CopyOp] = field(default_factory=list)  # KV cache -> host slot, this step
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Steps whose loads the worker finished, and saves that failed."""
+
+    loaded_steps: list[int] = field(default_factory=list)
+    failed_saves: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(
+            sorted(set(self.loaded_steps) | set(other.loaded_steps)),
+            sorted(set(self.failed_saves) | set(other.failed_saves)),
+        )

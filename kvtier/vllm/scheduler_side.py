@@ -1,0 +1,290 @@
+"""Scheduler side of the connector: keys, lookups, load and save decisions. No bytes.
+
+Runs in vLLM's engine-core process, next to the scheduler. It owns the ``TieredStore``
+(index, lower tiers, IO threads); the host pool's bytes are shared with the worker.
+
+Request life cycle:
+
+1. ``get_num_new_matched_tokens``: hash the request's tokens into chunk keys, look up
+   the stored prefix beyond vLLM's own hit, and start ``store.load`` (lower-tier hits
+   are promoted into host slots on IO threads). Until that finishes it answers ``None``
+   ("ask again"), so the scheduler loop never waits on storage. When it is done the
+   chunks are pinned and it answers the exact token count (or 0 below the threshold).
+2. ``update_state_after_alloc``: turn the pinned chunks into per-chunk ``CopyOp``s onto
+   the request's new blocks; they go out with this step's metadata and the worker
+   copies them before the forward pass.
+3. The worker reports the step done (worker metadata); the pins are released.
+4. ``request_finished`` (the eviction hook): the chunks of prompt *and* output not yet
+   stored get host slots reserved; the request's blocks stay allocated (delay-free)
+   until the worker reports the copies done (``finished_sending``), then the slots are
+   committed and cascade to the lower tiers.
+
+Invariants: a chunk is never saved twice (lookup before reserve); a load covers only
+chunks whose bytes are pinned in host memory; whatever fails, vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.build import build_lower
+from kvtier.config import FileConfig, KVTierConfig, RestoreConfig, S3Config
+from kvtier.iopool import IOPool
+from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.metrics import record_drop, record_restore, record_spill
+from kvtier.objformat import ChunkMeta
+from kvtier.store import LowerTier, Pinned, TieredStore, WritePolicy
+from kvtier.tiers.host import HostTier
+from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.vllm.shm import attach_pool
+
+log = logging.getLogger("kvtier.vllm")
+
+#: Used for ``recompute_threshold_tokens: auto`` until a measured break-even replaces it.
+AUTO_THRESHOLD_TOKENS = 64
+
+
+def threshold_tokens(cfg: RestoreConfig) -> int:
+    t = cfg.recompute_threshold_tokens
+    return AUTO_THRESHOLD_TOKENS if t == "auto" else t
+
+
+def _release_when_done(fut: Future[Pinned]) -> None:
+    if fut.exception() is None:
+        fut.result().release()
+
+
+@dataclass
+class _Lookup:
+    """A request between its lookup and its block allocation."""
+
+    keys: list[ChunkKey]
+    first_chunk: int = 0
+    future: Future[Pinned] | None = None
+    pinned: Pinned | None = None
+    start_tokens: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Save:
+    slots: list[tuple[int, ChunkMeta]]
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        cfg: KVTierConfig,
+        geometry: Geometry,
+        namespace: Namespace,
+        pool_path: Any,
+        *,
+        store: TieredStore | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.geom = geometry
+        self.ns = namespace
+        self.ct = cfg.chunk_tokens
+        self.bs = geometry.block_size
+        self.bpc = geometry.blocks_per_chunk(self.ct)
+        self.slot_bytes = geometry.chunk_bytes(self.ct)
+        self.threshold = max(1, threshold_tokens(cfg.restore))
+        self.store = store or self._build_store(pool_path)
+        self._lookups: dict[str, _Lookup] = {}
+        self._saves: dict[str, _Save] = {}
+        self._loads: list[CopyOp] = []
+        self._load_pins: list[Pinned] = []
+        self._to_save: list[CopyOp] = []
+        self._pins_by_step: dict[int, list[Pinned]] = {}
+        self._step = 0
+
+    def _build_store(self, pool_path: Any) -> TieredStore:
+        num_slots = self.cfg.host.capacity // self.slot_bytes
+        host = HostTier(
+            self.cfg.host.capacity,
+            self.slot_bytes,
+            allocator=lambda n: (attach_pool(pool_path, n), False),
+            check_memory=False,
+        )
+        assert host.pool.num_slots == num_slots
+        lower = []
+        for i, entry in enumerate(self.cfg.tiers[1:], start=1):
+            spec = entry.spec
+            assert isinstance(spec, FileConfig | S3Config)
+            from kvtier.clock import SYSTEM_CLOCK
+
+            lower.append(LowerTier(build_lower(spec, i, SYSTEM_CLOCK), WritePolicy(spec.write)))
+        return TieredStore(host, lower, IOPool(self.cfg.io.threads, self.cfg.io.max_queued_stores))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _keys(self, request: Any, num_tokens: int) -> tuple[bytes, list[ChunkKey]]:
+        ns = self.ns.digest(getattr(request, "cache_salt", None))
+        tokens = list(request.all_token_ids[:num_tokens])
+        return ns, chunk_keys(ns, tokens, self.ct)
+
+    def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
+        return ChunkMeta(
+            namespace=ns,
+            key=keys[c],
+            parent=keys[c - 1] if c else None,
+            num_tokens=self.ct,
+            dtype=self.geom.kv_dtype,
+            shape=(self.geom.num_layers, self.bpc, self.geom.page_bytes),
+            payload_len=self.slot_bytes,
+        )
+
+    def _forget(self, req_id: str) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is None:
+            return
+        if lk.pinned is not None:
+            lk.pinned.release()
+        if lk.future is not None:
+            lk.future.add_done_callback(_release_when_done)
+
+    # -- 1. lookup -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        limit = ((request.num_tokens - 1) // self.bs) * self.bs  # vLLM must compute >= 1 token
+        lk = self._lookups.get(rid)
+        if lk is not None and lk.pinned is None and lk.future is None:
+            lk = None
+        if lk is not None and num_computed < lk.first_chunk * self.ct:
+            self._forget(rid)  # vLLM's own hit shrank below what we started from
+            lk = None
+        if lk is None:
+            _, keys = self._keys(request, request.num_tokens)
+            first = num_computed // self.ct
+            wanted = keys[: -(-limit // self.ct)]
+            hit = self.store.lookup(wanted[first:])
+            tokens = min((first + hit.hits) * self.ct, limit)
+            if hit.hits == 0 or tokens - num_computed < self.threshold:
+                return 0, False
+            lk = _Lookup(keys, first)
+            lk.future = self.store.load(list(hit.keys))
+            self._lookups[rid] = lk
+        if lk.future is not None:
+            if not lk.future.done():
+                return None, False
+            fut, lk.future = lk.future, None
+            try:
+                lk.pinned = fut.result()
+            except Exception:
+                log.exception("kvtier: staging KV for %s failed; recomputing", rid)
+                self._lookups.pop(rid, None)
+                return 0, False
+        assert lk.pinned is not None
+        tokens = min((lk.first_chunk + len(lk.pinned)) * self.ct, limit)
+        ext = tokens - num_computed
+        if ext < self.threshold:
+            self._forget(rid)
+            return 0, False
+        lk.start_tokens = num_computed
+        return ext, False
+
+    # -- 2. allocation -> copy ops ----------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        rid = request.request_id
+        lk = self._lookups.get(rid)
+        if lk is None or lk.pinned is None:
+            return
+        if num_external <= 0:
+            self._forget(rid)
+            return
+        del self._lookups[rid]
+        block_ids = blocks.get_block_ids()[0]
+        lo_blk = lk.start_tokens // self.bs
+        hi_blk = (lk.start_tokens + num_external) // self.bs
+        by_tier: dict[str, int] = {}
+        for c in range(lo_blk // self.bpc, -(-hi_blk // self.bpc)):
+            lo, hi = max(lo_blk, c * self.bpc), min(hi_blk, (c + 1) * self.bpc)
+            idx = c - lk.first_chunk
+            slot = lk.pinned.slots[idx][0]
+            self._loads.append(CopyOp(rid, slot, list(block_ids[lo:hi]), lo - c * self.bpc))
+            tier = self.store.tiers[lk.pinned.from_tier[idx]].name
+            by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
+        self._load_pins.append(lk.pinned)
+        record_restore(by_tier)
+        log.info(
+            "kvtier: restoring %d tokens for %s (%s), %.1f MiB, staged in %.1f ms",
+            num_external, rid, ", ".join(f"{t} {n}" for t, n in by_tier.items()),
+            num_external / self.ct * self.slot_bytes / 2**20,
+            (time.perf_counter() - lk.t0) * 1e3,
+        )
+
+    # -- 4. the eviction hook ---------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """Reserve slots for the request's unsaved full chunks. True: delay freeing."""
+        rid = request.request_id
+        self._forget(rid)
+        n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
+        if n_chunks == 0:
+            return False
+        ns, keys = self._keys(request, n_chunks * self.ct)
+        stored = self.store.lookup(keys).hits
+        saves: list[tuple[int, ChunkMeta]] = []
+        for c in range(stored, n_chunks):
+            meta = self._meta(ns, keys, c)
+            r = self.store.host.reserve(meta)
+            if r is None:
+                if not self.store.host.index.contains(keys[c]):
+                    record_drop("host_full")
+                continue
+            saves.append((r.slot, meta))
+            self._to_save.append(
+                CopyOp(rid, r.slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
+            )
+        record_spill(len(saves) * self.slot_bytes, n_chunks * self.slot_bytes)
+        if not saves:
+            return False
+        self._saves[rid] = _Save(saves)
+        return True
+
+    # -- per step ---------------------------------------------------------------------------
+    def build_meta(self) -> KVTierMetadata:
+        self._step += 1
+        meta = KVTierMetadata(self._step, self._loads, self._to_save)
+        if self._load_pins:
+            self._pins_by_step[self._step] = self._load_pins
+        self._loads, self._to_save, self._load_pins = [], [], []
+        return meta
+
+    def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
+        failed: set[str] = set()
+        if isinstance(worker_meta, KVTierWorkerMetadata):
+            for step in worker_meta.loaded_steps:
+                for pinned in self._pins_by_step.pop(step, []):
+                    pinned.release()
+            failed = set(worker_meta.failed_saves)
+        for rid in finished_sending or ():
+            save = self._saves.pop(rid, None)
+            if save is None:
+                continue
+            for slot, meta in save.slots:
+                if rid in failed:
+                    self.store.host.abort(slot)
+                else:
+                    self.store.commit(slot, meta)
+
+    def has_pending_saves(self) -> bool:
+        return bool(self._saves)
+
+    def reset(self) -> bool:
+        """Drop the host tier (after spilling dirty chunks); lower tiers are kept."""
+        n = self.store.drop_host()
+        log.info("kvtier: reset dropped %d host chunks", n)
+        return True
+
+    def close(self) -> None:
+        for rid in list(self._lookups):
+            self._forget(rid)
+        self.store.flush()
+        self.store.close()
