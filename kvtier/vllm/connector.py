@@ -107,7 +107,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids), None
+        return self.scheduler_side.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_saves()

@@ -102,6 +102,7 @@ class SchedulerSide:
         self._load_pins: list[Pinned] = []
         self._to_save: list[CopyOp] = []
         self._pins_by_step: dict[int, list[Pinned]] = {}
+        self._restored: dict[str, dict[str, int]] = {}
         self._step = 0
 
     def _build_store(self, pool_path: Any) -> TieredStore:
@@ -213,6 +214,7 @@ class SchedulerSide:
             by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
         self._load_pins.append(lk.pinned)
         record_restore(by_tier)
+        self._restored[rid] = by_tier
         log.info(
             "kvtier: restoring %d tokens for %s (%s), %.1f MiB, staged in %.1f ms",
             num_external, rid, ", ".join(f"{t} {n}" for t, n in by_tier.items()),
@@ -221,14 +223,33 @@ class SchedulerSide:
         )
 
     # -- 4. the eviction hook ---------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
-        """Reserve slots for the request's unsaved full chunks. True: delay freeing."""
+    def request_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any]]:
+        """Reserve slots for the request's unsaved full chunks.
+
+        Returns (delay freeing the blocks, ``kv_transfer_params`` for the response):
+        the params say what kvtier restored for this request and what it now holds.
+        """
         rid = request.request_id
         self._forget(rid)
+        restored = self._restored.pop(rid, {})
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
-        if n_chunks == 0:
-            return False
         ns, keys = self._keys(request, n_chunks * self.ct)
+        delay = self._save(rid, ns, keys, block_ids) if n_chunks else False
+        params = {
+            "namespace": ns.hex(),
+            "tokens": n_chunks * self.ct,
+            "last_key": keys[-1].hex() if keys else None,
+            "restored_tokens": sum(restored.values()),
+            "restored_by_tier": restored,
+        }
+        return delay, {"kvtier": params}
+
+    def _save(
+        self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]
+    ) -> bool:
+        n_chunks = len(keys)
         stored = self.store.lookup(keys).hits
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
