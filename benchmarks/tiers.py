@@ -28,12 +28,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.machine import describe  # noqa: E402
-from kvtier.keys import ChunkKey  # noqa: E402
-from kvtier.objformat import ChunkMeta  # noqa: E402
-from kvtier.sizes import parse_size  # noqa: E402
-from kvtier.tiers.file import FileTier  # noqa: E402
-from kvtier.tiers.host import HostTier  # noqa: E402
+from benchmarks.machine import describe
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta
+from kvtier.sizes import parse_size
+from kvtier.tiers.file import FileTier
+from kvtier.tiers.host import HostTier
 
 TARGETS = {"host": 0.8, "file": 0.8, "s3": 0.9}
 
@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.s3_endpoint:
                 b.s3(args.s3_endpoint)
             else:
-                from kvtier.testing.s3server import local_s3
+                from kvtier.testing.s3server import dummy_credentials, moto_server
 
-                with local_s3() as endpoint:
+                with dummy_credentials(), moto_server() as endpoint:
                     b.s3(endpoint)
     out = {"benchmark": "tiers", "chunk_bytes": chunk, "total_bytes": b.total,
            "reps": args.reps, "machine": describe(), "rows": b.rows}

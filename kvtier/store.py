@@ -255,6 +255,7 @@ class TieredStore:
     # -- life cycle --------------------------------------------------------------------
     def drop_host(self) -> int:
         """Spill every dirty chunk, then drop every unpinned host chunk. Returns drops."""
+        self.flush()  # write-through copies in flight read from host slots
         while batch := self.host.index.take_dirty(64):
             for slot, meta in batch:
                 self._queue_write(slot, meta, self._back, spill=True, pinned=True)

@@ -9,7 +9,6 @@ import resource
 import signal
 import sys
 
-from kvtier.tiers.base import PutStatus
 from kvtier.tiers.file import FileTier
 from tests.tiers.harness import make_key, meta_for, payload_for
 

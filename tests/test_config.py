@@ -65,7 +65,10 @@ def test_malformed_yaml_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_env_and_dotted_overrides_are_validated() -> None:
-    env = {"KVTIER__RESTORE__RECOMPUTE_THRESHOLD_TOKENS": "32", "KVTIER__TIERS__0__HOST__CAPACITY": "2GiB"}
+    env = {
+        "KVTIER__RESTORE__RECOMPUTE_THRESHOLD_TOKENS": "32",
+        "KVTIER__TIERS__0__HOST__CAPACITY": "2GiB",
+    }
     cfg = parse_config({"tiers": [{"host": {"capacity": "1GiB"}}]}, environ=env)
     assert cfg.restore.recompute_threshold_tokens == 32
     assert cfg.host.capacity == 2 * 2**30

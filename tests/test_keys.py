@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.keys import Namespace, chunk_keys, key_from_hex
+from kvtier.keys import chunk_keys, key_from_hex
 from tests.tiers.harness import NS
 
 TOKENS = list(range(1000))
@@ -21,7 +21,7 @@ def test_only_full_chunks_get_keys() -> None:
 
 def test_keys_are_chained_prefix_hashes() -> None:
     a = chunk_keys(NS.digest(), TOKENS, 128)
-    b = chunk_keys(NS.digest(), TOKENS[:128] + [7] + TOKENS[129:], 128)
+    b = chunk_keys(NS.digest(), [*TOKENS[:128], 7, *TOKENS[129:]], 128)
     assert a[0] == b[0]
     assert all(x != y for x, y in zip(a[1:], b[1:], strict=True)), "a change poisons the rest"
 

@@ -1,0 +1,1 @@
+"""Test support: random-weight Llama models built locally, and vLLM engine helpers."""

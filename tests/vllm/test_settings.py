@@ -1,0 +1,49 @@
+"""kv_connector_extra_config and geometry checks, without starting an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import ConfigError
+from kvtier.tiers.base import TierError
+from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.settings import parse_extra_config
+
+
+def _yaml(tmp: Path) -> str:
+    p = tmp / "k.yaml"
+    p.write_text("tiers:\n  - host: {capacity: 64MiB}\n")
+    return str(p)
+
+
+def test_valid_extra_config(tmp_path: Path) -> None:
+    s = parse_extra_config({"config": _yaml(tmp_path), "overrides": {"chunk_tokens": 512},
+                            "model_fingerprint": "abc"})
+    assert s.config.chunk_tokens == 512 and s.model_fingerprint == "abc"
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({}, "kv_connector_extra_config.config: required"),
+        ({"colour": "red"}, "unknown key(s) ['colour']"),
+        ({"overrides": {"tiers.0.host.capacity": "lots"}}, "tiers[0].host.capacity"),
+        ({"overrides": "x"}, "overrides: must be a mapping"),
+    ],
+)
+def test_bad_extra_config_names_the_field(tmp_path: Path, extra: dict[str, object],
+                                          needle: str) -> None:
+    if extra and "config" not in extra and "colour" not in extra:
+        extra = {"config": _yaml(tmp_path), **extra}
+    with pytest.raises(ConfigError) as e:
+        parse_extra_config(extra)
+    assert needle in str(e.value)
+
+
+def test_chunk_tokens_must_be_a_multiple_of_block_size() -> None:
+    g = Geometry(2, 2, 64, 128, 65536, "float32")
+    assert g.blocks_per_chunk(256) == 2
+    with pytest.raises(TierError, match="chunk_tokens: 200 is not a multiple"):
+        g.blocks_per_chunk(200)
