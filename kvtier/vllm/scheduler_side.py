@@ -236,19 +236,23 @@ class SchedulerSide:
         restored = self._restored.pop(rid, {})
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
         ns, keys = self._keys(request, n_chunks * self.ct)
-        delay = self._save(rid, ns, keys, block_ids) if n_chunks else False
+        saved = self._save(rid, ns, keys, block_ids) if n_chunks else 0
         params = {
             "namespace": ns.hex(),
             "tokens": n_chunks * self.ct,
             "last_key": keys[-1].hex() if keys else None,
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
+            "spilled_bytes": saved * self.slot_bytes,
+            "write_through_bytes": n_chunks * self.slot_bytes,
         }
+        delay = saved > 0
         return delay, {"kvtier": params}
 
     def _save(
         self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]
-    ) -> bool:
+    ) -> int:
+        """Queue copies of the chunks not stored yet; returns how many."""
         n_chunks = len(keys)
         stored = self.store.lookup(keys).hits
         saves: list[tuple[int, ChunkMeta]] = []
@@ -264,10 +268,9 @@ class SchedulerSide:
                 CopyOp(rid, r.slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
             )
         record_spill(len(saves) * self.slot_bytes, n_chunks * self.slot_bytes)
-        if not saves:
-            return False
-        self._saves[rid] = _Save(saves)
-        return True
+        if saves:
+            self._saves[rid] = _Save(saves)
+        return len(saves)
 
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self) -> KVTierMetadata:

@@ -66,8 +66,11 @@ def test_forced_eviction_every_returning_turn_is_restored(fp32: LLMWorker) -> No
             ref = reference(fp32, prompt, f"ref-conv{c}-t{turn}")
             r = fp32.generate([prompt], max_tokens=OUT).outputs[0]
             assert r.token_ids == ref, f"conversation {c} turn {turn}"
+            kv = (r.kv_transfer_params or {})["kvtier"]
             if turn > 0:
                 assert restored(r) > 0, f"conversation {c} turn {turn} was not restored"
+                # Only the chunks this turn completed are copied, never one stored before.
+                assert kv["spilled_bytes"] < kv["write_through_bytes"]
             convs[c] = prompt + r.token_ids + tokens(40, seed=1000 * c + turn)
 
 

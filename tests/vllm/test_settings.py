@@ -47,3 +47,16 @@ def test_chunk_tokens_must_be_a_multiple_of_block_size() -> None:
     assert g.blocks_per_chunk(256) == 2
     with pytest.raises(TierError, match="chunk_tokens: 200 is not a multiple"):
         g.blocks_per_chunk(200)
+
+
+def test_shipped_vllm_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    files = sorted((root / "configs").glob("vllm-*.json"))
+    assert files
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert doc["kv_connector_module_path"] == "kvtier.vllm"
+        parse_extra_config(doc["kv_connector_extra_config"])
