@@ -45,8 +45,11 @@ unit: $(STAMPS)/venv native
 
 test: $(STAMPS)/venv native cuda-check lint typecheck unit
 
+# The main job: validate the local config, then the restore-vs-recompute ladder on a
+# locally built ~90M model with host, directory and S3 (local moto) tiers.
 demo: $(STAMPS)/venv native
-	$(PY) -m kvtier check configs/local.yaml
+	$(PY) -m kvtier check configs/local.yaml --count 4
+	$(PY) benchmarks/restore_vs_recompute.py --out-dir demo-results
 
 bench: $(STAMPS)/venv native
 	$(PY) benchmarks/tiers.py

@@ -52,6 +52,6 @@ set -e
 [[ $rc -eq 0 ]] || { echo "gpu_check: TESTS FAILED (rc $rc, log: $RESULTS/gpu_tests.log)"; exit 1; }
 
 step "bandwidth: device <-> pinned host, memcpy and kernel strategies vs cudaMemcpy"
-timeout 150 "$PY" benchmarks/copy.py --device cuda --out "$RESULTS/copy_cuda.json"
+timeout 150 "$PY" benchmarks/copy_blocks.py --device cuda --out "$RESULTS/copy_cuda.json"
 
 step "done in $((SECONDS - t0))s"

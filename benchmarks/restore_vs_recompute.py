@@ -182,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                                 "kv_connector_extra_config": {"config": str(cfg)}}))
         print(f"engine up in {engine.startup_s:.0f} s", flush=True)
         engine.generate([tokens(300, seed=1)], max_tokens=1)  # warm-up, not measured
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         rows = []
         from tqdm import tqdm
 
         for n in tqdm(lengths, desc="ladder", unit="prompt"):
-            rows.append(measure(engine, tokens(n, seed=n, vocab=8000), store, paths))
+            rows.append(measure(engine, tokens(n, seed=n, vocab=vocab), store, paths))
     jsonl = out / "restore_vs_recompute.jsonl"
     with open(jsonl, "w") as f:
         for r in rows:

@@ -1,4 +1,4 @@
-"""benchmarks/copy.py --quick runs end to end and writes its JSON where it is told."""
+"""benchmarks/copy_blocks.py --quick runs end to end and writes its JSON where it is told."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_copy_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "copy.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "copy.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "copy_blocks.py"), "--quick", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -7,9 +7,9 @@ number of bytes as one contiguous tensor (torch ``copy_``: memcpy on the CPU, on
 pinned-memory cudaMemcpy on CUDA). Every buffer is touched before timing, the first
 repetition is dropped, the median of the rest is reported.
 
-    python benchmarks/copy.py                   # CPU, writes benchmarks/results/copy_cpu.json
-    python benchmarks/copy.py --device cuda     # writes benchmarks/results/copy_cuda.json
-    python benchmarks/copy.py --quick --out /tmp/x.json   # seconds, for a smoke test
+    python benchmarks/copy_blocks.py                # CPU: benchmarks/results/copy_cpu.json
+    python benchmarks/copy_blocks.py --device cuda  # benchmarks/results/copy_cuda.json
+    python benchmarks/copy_blocks.py --quick --out /tmp/x.json  # seconds: a smoke test
 
 Targets: CPU native >= 0.8x contiguous memcpy for blocks >= 64 KiB and >= 2x the torch
 reference for small blocks; CUDA native >= 0.85x the pinned cudaMemcpy.
@@ -20,25 +20,21 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a script, this file's folder heads sys.path and this file would shadow the
-# standard library's `copy` (which torch imports): drop the folder, add the repo root.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
-from kvtier.ops import CopyBackend, KVLayout, native_status, resolve_copy_backend  # noqa: E402
+from kvtier.ops import CopyBackend, KVLayout, native_status, resolve_copy_backend
 
 KIB = 1024
 SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 2048 * KIB]
