@@ -40,9 +40,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a script, this file's folder heads sys.path and benchmarks/copy.py would shadow
-# the standard library's `copy`: drop the folder, add the repo root (kvtier side only
-# needs it; the LMCache worker never imports kvtier).
+# Run as a script, this file's folder heads sys.path, where a benchmark module could shadow
+# a standard one: drop the folder, add the repo root (the kvtier side imports `benchmarks`
+# and `kvtier`; the LMCache worker imports neither).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -668,32 +668,34 @@ class Report:
 
     def add(self, path: str, op: str, lmcache: str, kvtier: str, rates: dict[str, list[float]],
             target: float) -> None:
-        kv = statistics.median(rates["kvtier"][1:])
-        lm = statistics.median(rates["lmcache"][1:]) if "lmcache" in rates else None
+        # Every number shown is rounded once, here, so table, JSON and text agree.
+        kv = round(statistics.median(rates["kvtier"][1:]), 3)
+        lm = round(statistics.median(rates["lmcache"][1:]), 3) if "lmcache" in rates else None
         row: dict[str, Any] = {
             "path": path, "op": op, "lmcache": lmcache, "kvtier": kvtier,
-            "lmcache_gbps": None if lm is None else round(lm, 3), "kvtier_gbps": round(kv, 3),
-            "ratio": None, "target": target, "ok": None, "miss": None,
+            "lmcache_gbps": lm, "kvtier_gbps": kv,
+            "ratio": None, "target": target, "ok": None, "short_pct": None, "miss": None,
             "kvtier_reps_gbps": [round(r, 3) for r in rates["kvtier"]],
             "lmcache_reps_gbps": [round(r, 3) for r in rates.get("lmcache", [])],
         }
-        if lm is not None:
-            ratio = kv / lm
-            row["ratio"] = round(ratio, 3)
-            row["ok"] = ratio >= target
-            if not row["ok"]:
-                row["miss"] = (f"ratio {ratio:.2f} < {target:.2f}: kvtier needs "
-                               f"{(target / ratio - 1) * 100:.0f}% more throughput "
-                               f"({kv:.2f} vs {lm * target:.2f} GB/s)")
-        self.rows.append(row)
         name = f"{path} {op}"
         if lm is None:
+            self.rows.append(row)
             print(f"{name:<24} {'-':>8} {kv:8.2f} {'-':>15}  >={target:<5.2f}  skipped",
                   flush=True)
-        else:
-            res = "ok" if row["ok"] else f"MISS by {(1 - row['ratio'] / target) * 100:.0f}%"
-            print(f"{name:<24} {lm:8.2f} {kv:8.2f} {row['ratio']:15.2f}  >={target:<5.2f}  {res}",
-                  flush=True)
+            return
+        ratio = round(kv / lm, 3)
+        row["ratio"], row["ok"] = ratio, ratio >= target
+        if not row["ok"]:
+            short = (1 - ratio / target) * 100
+            row["short_pct"] = round(short, 1)
+            row["miss"] = (f"kvtier/LMCache {ratio:.2f} < {target:.2f}, {short:.0f}% short: "
+                           f"kvtier {kv:.2f} GB/s, needs {lm * target:.2f} "
+                           f"(+{(target / ratio - 1) * 100:.0f}%)")
+        self.rows.append(row)
+        res = "ok" if row["ok"] else f"MISS, {row['short_pct']:.0f}% short"
+        print(f"{name:<24} {lm:8.2f} {kv:8.2f} {ratio:15.2f}  >={target:<5.2f}  {res}",
+              flush=True)
 
     def summary(self) -> list[str]:
         return [f"MISS {r['path']} {r['op']}: {r['miss']}" for r in self.rows if r["miss"]]
@@ -882,6 +884,20 @@ def _verify(kv: KvtierSide, lm: WorkerClient | None) -> None:
         raise RuntimeError("LMCache returned bytes that differ from what was stored")
 
 
+def write_results(out: dict[str, Any], path: Path) -> None:
+    """``path`` (JSON) and the same table as Markdown next to it (``.md``)."""
+    md = out.pop("markdown")
+    m = out["machine"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    path.with_suffix(".md").write_text(
+        f"kvtier vs LMCache {LMCACHE_VERSION}: {out['count']} chunks of "
+        f"{out['chunk_bytes'] / 2**20:.2f} MiB ({out['chunk_tokens']} tokens), "
+        f"{out['threads']} threads, median of {out['reps']} repetitions (GB/s), "
+        f"{m['cores']} cores, load average {m['loadavg_before'][0]} before and "
+        f"{m['loadavg_after'][0]} after.\n\n{md}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -914,14 +930,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.reps < 1:
         ap.error("--threads and --reps must be >= 1")
     out = run(args, chunk, total)
-    md = out.pop("markdown")
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    path.with_suffix(".md").write_text(
-        f"kvtier vs LMCache {LMCACHE_VERSION}: {out['count']} chunks of "
-        f"{out['chunk_bytes'] / 2**20:.2f} MiB, {out['threads']} threads, median of "
-        f"{out['reps']} repetitions (GB/s).\n\n{md}")
+    write_results(out, path)
     print(f"wrote {path}")
     return 0
 

@@ -49,6 +49,7 @@ def test_target_verdicts() -> None:
                {"kvtier": [1.0, 2.0, 2.0], "lmcache": [1.0, 1.0, 1.0]}, peers.TARGET)
     miss, ok = report.rows
     assert miss["ok"] is False and miss["ratio"] == 1.2  # the dropped first rep is ignored
-    assert "1.20 < 1.30" in miss["miss"] and "8% more" in miss["miss"]
+    assert "1.20 < 1.30" in miss["miss"] and "8% short" in miss["miss"]
+    assert miss["short_pct"] == 7.7
     assert ok["ok"] is True and ok["miss"] is None
     assert report.summary() == [f"MISS disk write durable: {miss['miss']}"]

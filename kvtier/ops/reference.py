@@ -143,19 +143,29 @@ def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, bool]:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(buf, dtype=torch.uint8)
     tensor[:: mmap.PAGESIZE] = 0  # touch every page now, not on the copy path
+    return tensor, register_pinned(tensor, owner=buf)
+
+
+def register_pinned(tensor: torch.Tensor, *, owner: object) -> bool:
+    """Page-lock existing host memory (e.g. a shared mapping) when CUDA is available.
+
+    Returns False (nothing done) without CUDA; raises with the size when registration
+    fails. The registration is dropped when ``owner`` (what keeps the memory) is freed.
+    """
     if not torch.cuda.is_available():
-        return tensor, False
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     ptr = tensor.data_ptr()
     flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
     err = int(cudart.cudaHostRegister(ptr, nbytes, flags))
     if err != 0:
         raise RuntimeError(
-            f"alloc_pinned: cannot allocate {nbytes / 2**30:.1f} GiB of pinned host memory: "
+            f"alloc_pinned: cannot pin {nbytes / 2**30:.1f} GiB of host memory: "
             f"cudaHostRegister failed with error {err} (check `ulimit -l`)"
         )
-    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
-    return tensor, True
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    return True
 
 
 def chunk_nbytes(layers: Sequence[torch.Tensor], num_ids: int) -> int:
