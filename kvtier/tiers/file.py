@@ -267,8 +267,11 @@ class FileTier:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, [memoryview(header), memoryview(payload).cast("B")])
-                now = self._clock.wall()
-                os.utime(fd, (now, now))  # recency is kvtier's clock, never the server's
+                if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
+                    now = os.fstat(fd).st_mtime
+                else:  # an injected clock: recency must follow it
+                    now = self._clock.wall()
+                    os.utime(fd, (now, now))
                 if self._fsync:
                     os.fsync(fd)
             finally:
