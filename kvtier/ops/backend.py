@@ -36,6 +36,7 @@ import torch
 
 from kvtier.ops import reference
 from kvtier.ops.native import BUILD_HINT, NativeStatus, native_status
+from kvtier.tiers.pool import mem_available
 
 log = logging.getLogger("kvtier.ops")
 
@@ -148,16 +149,6 @@ def copy_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)  # type: ignore[no-untyped-call]
 
 
-def mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _gib(n: int) -> str:
