@@ -49,7 +49,7 @@ test: $(STAMPS)/venv native cuda-check lint typecheck unit
 # locally built ~90M model with host, directory and S3 (local moto) tiers.
 demo: $(STAMPS)/venv native
 	$(PY) -m kvtier check configs/local.yaml --count 4
-	$(PY) benchmarks/restore_vs_recompute.py --out-dir demo-results
+	$(PY) benchmarks/restore_vs_recompute.py --lengths 1024,2048,4096 --out-dir demo-results
 
 bench: $(STAMPS)/venv native
 	$(PY) benchmarks/tiers.py

@@ -60,3 +60,20 @@ def test_shipped_vllm_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None
         doc = json.loads(f.read_text())
         assert doc["kv_connector_module_path"] == "kvtier.vllm"
         parse_extra_config(doc["kv_connector_extra_config"])
+
+
+def test_model_fingerprint_tells_checkpoints_apart(tmp_path: Path) -> None:
+    """Same name and config, different weights: different fingerprint, so no shared KV."""
+    from types import SimpleNamespace
+
+    from kvtier.testing.models import build_tiny_llama
+    from kvtier.vllm.geometry import model_fingerprint
+
+    a = build_tiny_llama(tmp_path / "a", seed=1)
+    b = build_tiny_llama(tmp_path / "b", seed=2)
+
+    def fp(path: Path) -> str:
+        return model_fingerprint(SimpleNamespace(model=str(path), hf_config=None, revision=None))
+
+    assert fp(a) == fp(a)
+    assert fp(a) != fp(b)
