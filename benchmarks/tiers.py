@@ -84,6 +84,25 @@ class Bench:
         self.total = chunk * count
         self.rows: list[dict[str, Any]] = []
 
+    def _put_all(self, tier: Any) -> Callable[[], None]:
+        """Store every source chunk in ``tier`` (after deleting the previous repetition's)."""
+
+        def put() -> None:
+            tier.delete(self.keys)
+            for k, s in zip(self.keys, self.src, strict=True):
+                tier.put(_meta(k, self.chunk), s.data)
+
+        return put
+
+    def _get_all(self, tier: Any) -> Callable[[], None]:
+        """Read every chunk back from ``tier`` into the pre-touched destinations."""
+
+        def get() -> None:
+            for k, d in zip(self.keys, self.dst, strict=True):
+                tier.get_into(k, d.data)
+
+        return get
+
     def row(self, path: str, op: str, kvtier: float, raw: float, raw_name: str) -> None:
         tier = path.split()[0]
         r = {"path": path, "op": op, "kvtier_gbps": round(kvtier, 3), "raw_gbps": round(raw, 3),
@@ -101,14 +120,7 @@ class Bench:
             for s, d in zip(self.src, raw_dst, strict=True):
                 np.copyto(d, s)
 
-        def put() -> None:
-            tier.delete(self.keys)
-            for k, s in zip(self.keys, self.src, strict=True):
-                tier.put(_meta(k, self.chunk), s.data)
-
-        def get() -> None:
-            for k, d in zip(self.keys, self.dst, strict=True):
-                tier.get_into(k, d.data)
+        put, get = self._put_all(tier), self._get_all(tier)
 
         self.row("host", "put", *_paired(raw_copy, put, self.reps, self.total), "numpy copy")
         self.row("host", "get", *_paired(raw_copy, get, self.reps, self.total), "numpy copy")
@@ -129,19 +141,14 @@ class Bench:
                 os.close(fd)
                 os.replace(tmp, p)
 
-        def put() -> None:
-            tier.delete(self.keys)
-            for k, s in zip(self.keys, self.src, strict=True):
-                tier.put(_meta(k, self.chunk), s.data)
+        put = self._put_all(tier)
 
         def raw_read() -> None:
             for p, d in zip(raw_paths, self.dst, strict=True):
                 with open(p, "rb", buffering=0) as f:
                     f.readinto(d.data)
 
-        def get() -> None:
-            for k, d in zip(self.keys, self.dst, strict=True):
-                tier.get_into(k, d.data)
+        get = self._get_all(tier)
 
         self.row("file", "write", *_paired(raw_write, put, self.reps, self.total),
                  "write+fsync+rename")
@@ -171,14 +178,7 @@ class Bench:
                 body = client.get_object(Bucket=bucket, Key=n)["Body"].read()
                 d[:] = np.frombuffer(body, dtype=np.uint8)
 
-        def put() -> None:
-            tier.delete(self.keys)
-            for k, s in zip(self.keys, self.src, strict=True):
-                tier.put(_meta(k, self.chunk), s.data)
-
-        def get() -> None:
-            for k, d in zip(self.keys, self.dst, strict=True):
-                tier.get_into(k, d.data)
+        put, get = self._put_all(tier), self._get_all(tier)
 
         self.row("s3", "put", *_paired(raw_put, put, self.reps, self.total), "boto3 put_object")
         self.row("s3", "get", *_paired(raw_get, get, self.reps, self.total), "boto3 get_object")
