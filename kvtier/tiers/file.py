@@ -25,11 +25,8 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
@@ -44,17 +41,12 @@ from kvtier.objformat import (
     verify_payload,
 )
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierError, TierUsage, WriteMode
+from kvtier.tiers.recency import RecencyIndex
 
 log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
-
-
-@dataclass
-class _Entry:
-    size: int
-    last_used: float
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
@@ -104,9 +96,7 @@ class FileTier:
         self._clock = clock
         self._tag = f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = TierMetrics(name)
-        self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # coldest first
-        self._bytes = 0
-        self._lock = threading.RLock()  # guards _index and _bytes; I/O happens outside it
+        self._recency = RecencyIndex()
         self._check_writable(setting)
         self.rescan()
 
@@ -151,33 +141,17 @@ class FileTier:
             except (ValueError, FileNotFoundError):
                 continue
             found.append((st.st_mtime, key, st.st_size))
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((k, _Entry(size, mtime)) for mtime, k, size in found)
-            self._bytes = sum(e.size for e in self._index.values())
-        self.metrics.used(self._bytes)
-
-    def _forget(self, key: ChunkKey) -> None:
-        with self._lock:
-            e = self._index.pop(key, None)
-            if e is not None:
-                self._bytes -= e.size
-
-    def _remember(self, key: ChunkKey, size: int, last_used: float) -> None:
-        with self._lock:
-            self._forget(key)
-            self._index[key] = _Entry(size, last_used)
-            self._bytes += size
+        self._recency.reset(found)
+        self.metrics.used(self._recency.bytes)
 
     def _known(self, key: ChunkKey) -> bool:
-        with self._lock:
-            if key in self._index:
-                return True
+        if key in self._recency:
+            return True
         try:
             st = os.stat(self.path_of(key))
         except OSError:
             return False
-        self._remember(key, st.st_size, st.st_mtime)
+        self._recency.remember(key, st.st_size, st.st_mtime)
         return True
 
     # -- Tier protocol -------------------------------------------------------------------
@@ -193,7 +167,7 @@ class FileTier:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self._forget(key)
+            self._recency.forget(key)
             self.metrics.miss()
             return None
         except OSError:
@@ -231,14 +205,14 @@ class FileTier:
 
     def _touch(self, key: ChunkKey, path: Path, size: int) -> None:
         now = self._clock.wall()
-        with self._lock:
-            entry = self._index.get(key)
+        with self._recency.lock:
+            entry = self._recency.get(key)
             if entry is not None and now - entry.last_used < self._touch_interval:
-                self._index.move_to_end(key)
+                self._recency.refresh(key)
                 return
         with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
             os.utime(path, (now, now))
-        self._remember(key, size, now)
+        self._recency.remember(key, size, now)
 
     def _quarantine(self, key: ChunkKey, path: Path, fd: int, why: str) -> None:
         """Remove a corrupt object, unless someone replaced it since we opened it."""
@@ -249,7 +223,7 @@ class FileTier:
                 os.unlink(path)
         except OSError:
             pass
-        self._forget(key)
+        self._recency.forget(key)
 
     def put(
         self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
@@ -291,11 +265,11 @@ class FileTier:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        self._remember(meta.key, meta.object_len, now)
+        self._recency.remember(meta.key, meta.object_len, now)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
         self.collect()
-        self.metrics.used(self._bytes)
+        self.metrics.used(self._recency.bytes)
         return PutStatus.STORED
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
@@ -306,49 +280,45 @@ class FileTier:
                 n += 1
             except FileNotFoundError:
                 pass
-            self._forget(key)
-        self.metrics.used(self._bytes)
+            self._recency.forget(key)
+        self.metrics.used(self._recency.bytes)
         return n
 
     def scan(self) -> Iterator[ObjectInfo]:
-        with self._lock:
-            items = list(self._index.items())
-        for key, e in items:
+        for key, e in self._recency.items():
             yield ObjectInfo(key, e.size, e.last_used)
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(len(self._index), self._bytes, self.capacity)
+        return self._recency.usage(self.capacity)
 
     def collect(self) -> int:
         """Delete least recently used objects until usage is under the low watermark."""
-        with self._lock:
+        with self._recency.lock:
             return self._collect_locked()
 
     def _collect_locked(self) -> int:
-        if self._bytes <= self.capacity:
+        if self._recency.bytes <= self.capacity:
             return 0
         target = int(self.capacity * self._low_watermark)
         freed = 0
-        for key in list(self._index):
-            if self._bytes <= target:
+        for key, entry in self._recency.items():
+            if self._recency.bytes <= target:
                 break
-            entry = self._index[key]
             path = self.path_of(key)
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                self._forget(key)
+                self._recency.forget(key)
                 continue
             if st.st_mtime > entry.last_used + 1e-3:  # another node used it since
-                self._remember(key, st.st_size, st.st_mtime)
+                self._recency.remember(key, st.st_size, st.st_mtime)
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             freed += entry.size
-            self._forget(key)
+            self._recency.forget(key)
             self.metrics.evicted()
-        self.metrics.used(self._bytes)
+        self.metrics.used(self._recency.bytes)
         return freed
 
     def remove_stale_temps(self, older_than: float = 3600.0) -> int:

@@ -36,9 +36,7 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import boto3
@@ -70,6 +68,7 @@ from kvtier.tiers.base import (
     WriteMode,
     as_bytes_view,
 )
+from kvtier.tiers.recency import RecencyIndex
 from kvtier.tiers.s3io import (
     MIN_PART,
     S3_ERRORS,
@@ -91,13 +90,6 @@ _USED = "kvtier-used"  # object metadata: kvtier wall-clock time of the last use
 _SUFFIX = ".kv"
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 _GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
-
-
-@dataclass
-class _Entry:
-    size: int
-    last_used: float  # recency for ordering: kvtier-used, or LastModified when listed
-    touched: float = float("-inf")  # when this node last wrote recency (kvtier's clock)
 
 
 def _used(head: Head) -> float:
@@ -139,9 +131,7 @@ class S3Tier:
         self._low_watermark = low_watermark
         self._clock = clock
         self.metrics = TierMetrics(name)
-        self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # coldest first
-        self._bytes = 0
-        self._lock = threading.RLock()  # guards _index and _bytes; I/O happens outside it
+        self._recency = RecencyIndex()
         self._collecting = threading.Lock()  # one collection at a time
         self._faulting = False  # log the first fault of an outage; count the rest
         for ok, problem in [
@@ -244,30 +234,12 @@ class S3Tier:
                 f"{self._setting}: listing s3://{self.bucket}/{self.prefix}kv/ failed "
                 f"({describe(e)}); the credentials need s3:ListBucket on this bucket"
             ) from None
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((k, _Entry(size, used)) for used, k, size in found)
-            self._bytes = sum(e.size for e in self._index.values())
-        self.metrics.used(self._bytes)
-
-    def _forget(self, key: ChunkKey) -> None:
-        with self._lock:
-            e = self._index.pop(key, None)
-            if e is not None:
-                self._bytes -= e.size
-
-    def _remember(
-        self, key: ChunkKey, size: int, last_used: float, touched: float = float("-inf")
-    ) -> None:
-        with self._lock:
-            self._forget(key)
-            self._index[key] = _Entry(size, last_used, touched)
-            self._bytes += size
+        self._recency.reset(found)
+        self.metrics.used(self._recency.bytes)
 
     def _known(self, key: ChunkKey) -> bool:
-        with self._lock:
-            if key in self._index:
-                return True
+        if key in self._recency:
+            return True
         try:
             head = self.io.head(self.object_name(key))
         except S3_ERRORS as e:
@@ -275,7 +247,7 @@ class S3Tier:
             return False
         if head is None:
             return False
-        self._remember(key, head.size, _used(head))
+        self._recency.remember(key, head.size, _used(head))
         return True
 
     # -- Tier protocol -------------------------------------------------------------------
@@ -291,14 +263,14 @@ class S3Tier:
         name = self.object_name(key)
         head = memoryview(bytearray(HEADER_SPAN))
         cap = HEADER_SPAN + dst.nbytes
-        with self._lock:
-            entry = self._index.get(key)
+        with self._recency.lock:
+            entry = self._recency.get(key)
             plan = max(1, min(entry.size, cap)) if entry is not None else cap
         try:
             total, etag = self.io.read(name, head, dst, plan)
         except (Missing, Changed) as e:
             if isinstance(e, Missing):
-                self._forget(key)
+                self._recency.forget(key)
             self.metrics.miss()
             return None
         except S3_ERRORS as e:
@@ -325,11 +297,11 @@ class S3Tier:
 
     def _touch(self, key: ChunkKey, name: str, size: int, etag: str) -> None:
         now = self._clock.wall()
-        with self._lock:
-            entry = self._index.get(key)
+        with self._recency.lock:
+            entry = self._recency.get(key)
             if entry is not None and now - entry.touched < self._touch_interval:
                 entry.last_used = now  # this node's view; the shared one waits for the next
-                self._index.move_to_end(key)
+                self._recency.refresh(key)
                 return
         cond = {"CopySourceIfMatch": etag} if etag else {}
         try:
@@ -346,7 +318,7 @@ class S3Tier:
                 self._fault("touch", e)
         except BotoCoreError as e:
             self._fault("touch", e)
-        self._remember(key, size, now, now)
+        self._recency.remember(key, size, now, now)
 
     def _quarantine(self, key: ChunkKey, name: str, etag: str, why: str) -> None:
         """Delete a corrupt object, unless someone replaced it since it was read."""
@@ -360,15 +332,15 @@ class S3Tier:
                 self._fault("delete", e)
         except BotoCoreError as e:
             self._fault("delete", e)
-        self._forget(key)
+        self._recency.forget(key)
 
     def put(
         self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
     ) -> PutStatus:
         t0 = time.perf_counter()
         create = mode is WriteMode.CREATE
-        with self._lock:
-            if create and meta.key in self._index:
+        with self._recency.lock:
+            if create and meta.key in self._recency:
                 return PutStatus.EXISTS
         if meta.object_len > self.capacity:
             return PutStatus.NO_SPACE
@@ -383,11 +355,11 @@ class S3Tier:
             self._fault("put", e)
             return PutStatus.FAILED
         self._faulting = False
-        self._remember(meta.key, meta.object_len, now, now)
+        self._recency.remember(meta.key, meta.object_len, now, now)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
         self.collect()
-        self.metrics.used(self._bytes)
+        self.metrics.used(self._recency.bytes)
         return PutStatus.STORED
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
@@ -416,25 +388,22 @@ class S3Tier:
                 if obj["Key"] in kept:
                     continue
                 key = doomed[obj["Key"]][0]
-                with self._lock:
-                    entry = self._index.get(key)
+                with self._recency.lock:
+                    entry = self._recency.get(key)
                     freed += entry.size if entry is not None else 0
-                    self._forget(key)
+                    self._recency.forget(key)
                 n += 1
         if evicting:
             self.metrics.evicted(n)
-        self.metrics.used(self._bytes)
+        self.metrics.used(self._recency.bytes)
         return n, freed
 
     def scan(self) -> Iterator[ObjectInfo]:
-        with self._lock:
-            items = list(self._index.items())
-        for key, e in items:
+        for key, e in self._recency.items():
             yield ObjectInfo(key, e.size, e.last_used)
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(len(self._index), self._bytes, self.capacity)
+        return self._recency.usage(self.capacity)
 
     # -- capacity ------------------------------------------------------------------------
     def collect(self) -> int:
@@ -442,8 +411,8 @@ class S3Tier:
         if not self._collecting.acquire(blocking=False):
             return 0  # another thread is collecting right now
         try:
-            with self._lock:
-                if self._bytes <= self.capacity:
+            with self._recency.lock:
+                if self._recency.bytes <= self.capacity:
                     return 0
             freed = 0
             for _ in range(3):  # victims another node used meanwhile are kept; pick again
@@ -462,9 +431,9 @@ class S3Tier:
 
     def _victims(self, target: int) -> list[ChunkKey]:
         """The coldest keys whose removal brings usage down to ``target`` bytes."""
-        with self._lock:
-            excess, out = self._bytes - target, []
-            for key, entry in self._index.items():
+        with self._recency.lock:
+            excess, out = self._recency.bytes - target, []
+            for key, entry in self._recency.items():
                 if excess <= 0:
                     break
                 out.append(key)
@@ -474,14 +443,14 @@ class S3Tier:
     def _evict(self, victims: list[ChunkKey], heads: list[Head | None]) -> int:
         doomed: dict[str, tuple[ChunkKey, str]] = {}
         for key, head in zip(victims, heads, strict=True):
-            with self._lock:
-                entry = self._index.get(key)
+            with self._recency.lock:
+                entry = self._recency.get(key)
             if entry is None:
                 continue
             if head is None:
-                self._forget(key)  # already gone
+                self._recency.forget(key)  # already gone
             elif _used(head) > entry.last_used + 1e-3:  # another node used it since
-                self._remember(key, head.size, _used(head))
+                self._recency.remember(key, head.size, _used(head))
             else:
                 doomed[self.object_name(key)] = (key, head.etag)
         return self._delete(doomed, evicting=True)[1]
