@@ -55,12 +55,18 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Tier:
     return tier
 
 
-def build_store(cfg: KVTierConfig, slot_bytes: int, *, clock: Clock = SYSTEM_CLOCK) -> TieredStore:
-    """All tiers of ``cfg`` with host slots of ``slot_bytes`` (one chunk each)."""
-    host = build_host(cfg.host, slot_bytes)
+def build_lower_tiers(
+    cfg: KVTierConfig, clock: Clock = SYSTEM_CLOCK, *, only: int | None = None
+) -> list[LowerTier]:
+    """The persistent tiers ``tiers[1:]`` (or just ``tiers[only]``), each with its policy.
+
+    If one cannot be set up, those already built are closed before the error propagates.
+    """
     lower: list[LowerTier] = []
     try:
         for i, entry in enumerate(cfg.tiers[1:], start=1):
+            if only is not None and i != only:
+                continue
             spec = entry.spec
             assert isinstance(spec, FileConfig | S3Config)
             lower.append(LowerTier(build_lower(spec, i, clock), WritePolicy(spec.write)))
@@ -68,5 +74,22 @@ def build_store(cfg: KVTierConfig, slot_bytes: int, *, clock: Clock = SYSTEM_CLO
         for lt in lower:
             lt.tier.close()
         raise
+    return lower
+
+
+def build_store(
+    cfg: KVTierConfig,
+    slot_bytes: int,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    host: HostTier | None = None,
+) -> TieredStore:
+    """All tiers of ``cfg`` with host slots of ``slot_bytes`` (one chunk each).
+
+    ``host`` replaces the host tier ``cfg`` describes, e.g. one mapped onto memory that
+    another process allocated.
+    """
+    host = host or build_host(cfg.host, slot_bytes)
+    lower = build_lower_tiers(cfg, clock)
     io = IOPool(cfg.io.threads, cfg.io.max_queued_stores)
     return TieredStore(host, lower, io)

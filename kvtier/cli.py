@@ -16,9 +16,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from kvtier.build import build_lower, build_store
+from kvtier.build import build_lower_tiers, build_store
 from kvtier.clock import SYSTEM_CLOCK
-from kvtier.config import ConfigError, FileConfig, KVTierConfig, S3Config, load_config
+from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta
 from kvtier.sizes import format_size, parse_size
@@ -77,13 +77,7 @@ def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
 
 
 def _lower_tiers(cfg: KVTierConfig, only: int | None) -> list[Tier]:
-    out = []
-    for i, entry in enumerate(cfg.tiers[1:], start=1):
-        if only is not None and i != only:
-            continue
-        spec = entry.spec
-        assert isinstance(spec, FileConfig | S3Config)
-        out.append(build_lower(spec, i, SYSTEM_CLOCK))
+    out = [lt.tier for lt in build_lower_tiers(cfg, SYSTEM_CLOCK, only=only)]
     if only is not None and not out:
         raise ConfigError(f"--tier {only}: no such persistent tier (tiers[1..] only)")
     return out

@@ -32,13 +32,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.build import build_lower
-from kvtier.config import FileConfig, KVTierConfig, RestoreConfig, S3Config
-from kvtier.iopool import IOPool
+from kvtier.build import build_store
+from kvtier.config import KVTierConfig, RestoreConfig
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
 from kvtier.objformat import ChunkMeta
-from kvtier.store import LowerTier, Pinned, TieredStore, WritePolicy
+from kvtier.store import Pinned, TieredStore
 from kvtier.tiers.host import HostTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
@@ -106,22 +105,13 @@ class SchedulerSide:
         self._step = 0
 
     def _build_store(self, pool_path: Any) -> TieredStore:
-        num_slots = self.cfg.host.capacity // self.slot_bytes
-        host = HostTier(
+        host = HostTier(  # the worker allocated and touched this memory
             self.cfg.host.capacity,
             self.slot_bytes,
             allocator=lambda n: (attach_pool(pool_path, n), False),
             check_memory=False,
         )
-        assert host.pool.num_slots == num_slots
-        lower = []
-        for i, entry in enumerate(self.cfg.tiers[1:], start=1):
-            spec = entry.spec
-            assert isinstance(spec, FileConfig | S3Config)
-            from kvtier.clock import SYSTEM_CLOCK
-
-            lower.append(LowerTier(build_lower(spec, i, SYSTEM_CLOCK), WritePolicy(spec.write)))
-        return TieredStore(host, lower, IOPool(self.cfg.io.threads, self.cfg.io.max_queued_stores))
+        return build_store(self.cfg, self.slot_bytes, host=host)
 
     # -- helpers -------------------------------------------------------------------------
     def _keys(self, request: Any, num_tokens: int) -> tuple[bytes, list[ChunkKey]]:
