@@ -11,7 +11,7 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
 from kvtier.iopool import IOPool
 from kvtier.store import LowerTier, TieredStore, WritePolicy
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import SharedTier
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import Allocator, mmap_allocator
@@ -22,7 +22,7 @@ def build_host(cfg: HostConfig, slot_bytes: int) -> HostTier:
     return HostTier(cfg.capacity, slot_bytes, allocator=allocator)
 
 
-def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Tier:
+def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> SharedTier:
     setting = f"tiers[{index}]"
     if isinstance(spec, FileConfig):
         return FileTier(
@@ -36,7 +36,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Tier:
         )
     from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
 
-    tier: Tier = S3Tier(
+    tier: SharedTier = S3Tier(
         bucket=spec.bucket,
         prefix=spec.prefix,
         endpoint_url=spec.endpoint_url,

@@ -16,13 +16,14 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from kvtier import router
 from kvtier.build import build_lower_tiers, build_store
 from kvtier.clock import SYSTEM_CLOCK
 from kvtier.config import ConfigError, KVTierConfig, load_config
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta
 from kvtier.sizes import format_size, parse_size
-from kvtier.tiers.base import PutStatus, Tier, TierError
+from kvtier.tiers.base import PutStatus, SharedTier, Tier, TierError
 from kvtier.tiers.file import FileTier
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_RESOURCE = 0, 1, 2, 3
@@ -76,7 +77,7 @@ def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _lower_tiers(cfg: KVTierConfig, only: int | None) -> list[Tier]:
+def _lower_tiers(cfg: KVTierConfig, only: int | None) -> list[SharedTier]:
     out = [lt.tier for lt in build_lower_tiers(cfg, SYSTEM_CLOCK, only=only)]
     if only is not None and not out:
         raise ConfigError(f"--tier {only}: no such persistent tier (tiers[1..] only)")
@@ -102,12 +103,15 @@ def cmd_stats(cfg: KVTierConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    lease = cfg.retention.lease_seconds
     for tier in _lower_tiers(cfg, args.tier):
         temps = tier.remove_stale_temps() if isinstance(tier, FileTier) else 0
+        expired = tier.expire(lease) if args.expired else 0
         freed = tier.collect()
         u = tier.usage()
-        print(f"{tier.name}: freed {format_size(freed)}, removed {temps} stale temp files; "
-              f"now {u.objects} objects, {format_size(u.bytes)} of {format_size(u.capacity)}")
+        print(f"{tier.name}: freed {format_size(freed)}, removed {temps} stale temp files"
+              + (f" and {expired} objects past their {lease:.0f} s lease" if args.expired else "")
+              + f"; now {u.objects} objects, {format_size(u.bytes)} of {format_size(u.capacity)}")
     return EXIT_OK
 
 
@@ -128,7 +132,12 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("config")
         s.add_argument("--tier", type=int, default=None, help="only tiers[N]")
+        if name == "gc":
+            s.add_argument("--expired", action="store_true",
+                           help="also remove objects past retention.lease_seconds")
         s.set_defaults(fn=fn)
+    r = sub.add_parser("router", help="proxy OpenAI requests to prefill and decode vLLM servers")
+    router.add_arguments(r)  # no positional config: the router's --tiers is optional
     return p
 
 
@@ -137,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "router":
+            return router.serve(args)
         cfg = load_config(args.config)
         rc: int = args.fn(cfg, args)
         return rc

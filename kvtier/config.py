@@ -109,6 +109,9 @@ class IOConfig(_Model):
 
 class RestoreConfig(_Model):
     recompute_threshold_tokens: int | Literal["auto"] = 64
+    #: P/D decode node: how long to wait for the chunks the prefill node announced
+    #: (``kv_transfer_params``) to become visible in the shared tier before computing.
+    wait_seconds: float = Field(10.0, ge=0, le=600)
 
     @model_validator(mode="after")
     def _non_negative(self) -> RestoreConfig:

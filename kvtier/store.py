@@ -33,7 +33,7 @@ from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
 from kvtier.objformat import ChunkMeta
-from kvtier.tiers.base import PutStatus, Tier, WriteMode
+from kvtier.tiers.base import PutStatus, SharedTier, Tier, WriteMode
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.store")
@@ -48,7 +48,7 @@ class WritePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class LowerTier:
-    tier: Tier
+    tier: SharedTier
     write: WritePolicy
 
 
@@ -155,7 +155,13 @@ class TieredStore:
             self._queue_write(slot, meta, self._back, spill=True, pinned=True)
 
     def _queue_write(
-        self, slot: int, meta: ChunkMeta, tiers: list[Tier], *, spill: bool, pinned: bool = False
+        self,
+        slot: int,
+        meta: ChunkMeta,
+        tiers: Sequence[Tier],
+        *,
+        spill: bool,
+        pinned: bool = False,
     ) -> None:
         if not pinned and self.host.index.acquire(meta.key) is None:
             return  # evicted before we got to it

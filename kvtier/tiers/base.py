@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta
@@ -79,6 +79,23 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedTier(Tier, Protocol):
+    """A tier several nodes share (file, S3), with per-object leases (``kvtier.lease``).
+
+    The lease start is the object's shared recency stamp (file mtime, S3 ``kvtier-used``):
+    every read renews it at most once per ``touch_interval``; ``renew`` restarts it now.
+    A lease is a minimum retention, not a validity bound: an expired object still holds
+    correct KV until ``expire`` removes it.
+    """
+
+    def read_meta(self, key: ChunkKey) -> ChunkMeta | None: ...
+
+    def renew(self, key: ChunkKey) -> bool: ...
+
+    def expire(self, lease_seconds: float) -> int: ...
 
 
 def as_bytes_view(buf: object) -> memoryview:

@@ -15,6 +15,10 @@ Invariants, chosen to hold on NFS with several writers:
 * The in-memory index is rebuilt by scanning at start. Objects written by other nodes later
   are found by a ``stat`` on an index miss. Collection re-stats a victim before deleting it,
   so a chunk another node just used is kept.
+* Leases (``kvtier.lease``): the mtime is also the lease start. ``renew`` sets it to now
+  unconditionally; ``expire`` rescans the directory (other nodes' objects included) and
+  removes objects whose mtime is older than the lease, re-stating each one first so a
+  lease another node renewed meanwhile is honoured.
 """
 
 from __future__ import annotations
@@ -320,6 +324,56 @@ class FileTier:
             self.metrics.evicted()
         self.metrics.used(self._recency.bytes)
         return freed
+
+    # -- leases --------------------------------------------------------------------------
+    def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
+        """The object's verified header (not its payload), or ``None`` if absent or bad."""
+        try:
+            with open(self.path_of(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(HEADER_SPAN)
+        except OSError:
+            return None
+        try:
+            return decode_header(memoryview(head), expect_key=key, object_len=size)[0]
+        except CorruptObject:
+            return None
+
+    def renew(self, key: ChunkKey) -> bool:
+        """Restart the object's lease now; ``False`` if it is not there."""
+        now = self._clock.wall()
+        path = self.path_of(key)
+        try:
+            os.utime(path, (now, now))
+            size = os.stat(path).st_size
+        except OSError:
+            self._recency.forget(key)
+            return False
+        self._recency.remember(key, size, now)
+        return True
+
+    def expire(self, lease_seconds: float) -> int:
+        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
+        self.rescan()
+        cutoff, n = self._clock.wall() - lease_seconds, 0
+        with self._recency.lock:
+            for key, entry in self._recency.items():
+                if entry.last_used >= cutoff:
+                    continue
+                path = self.path_of(key)
+                try:
+                    st = os.stat(path)
+                    if st.st_mtime >= cutoff:  # renewed since the scan
+                        self._recency.remember(key, st.st_size, st.st_mtime)
+                        continue
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                self._recency.forget(key)
+                self.metrics.evicted()
+                n += 1
+            self.metrics.used(self._recency.bytes)
+        return n
 
     def remove_stale_temps(self, older_than: float = 3600.0) -> int:
         """Delete temp files left by writers that died more than ``older_than`` s ago."""

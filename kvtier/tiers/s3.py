@@ -23,6 +23,9 @@ Invariants:
   Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
   re-reads each victim's recency with a HEAD, keeps those another node used since, and
   deletes the rest in batches conditioned on the ETag it saw.
+* Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start. ``renew`` rewrites
+  it to now unconditionally; ``expire`` lists the prefix, HEADs each candidate (another
+  node may have renewed it) and deletes the expired ones conditioned on their ETag.
 * Endpoint faults are retried by botocore (standard mode: backoff, ``max_attempts`` tries
   in all, connect/read timeouts), then counted and turned into misses or
   ``PutStatus.FAILED``; data-path methods never raise them. Credentials come only from
@@ -454,6 +457,76 @@ class S3Tier:
             else:
                 doomed[self.object_name(key)] = (key, head.etag)
         return self._delete(doomed, evicting=True)[1]
+
+    # -- leases --------------------------------------------------------------------------
+    def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
+        """The object's verified header (not its payload), or ``None`` if absent or bad."""
+        try:
+            r = self.io.client.get_object(
+                Bucket=self.bucket, Key=self.object_name(key), Range=f"bytes=0-{HEADER_SPAN - 1}"
+            )
+            head = r["Body"].read()
+            total = int(r["ContentRange"].rsplit("/", 1)[1])
+        except ClientError as e:
+            if code(e) not in _GONE and code(e) != "InvalidRange":
+                self._fault("get", e)
+            return None
+        except (BotoCoreError, KeyError, ValueError) as e:
+            self._fault("get", e)
+            return None
+        try:
+            return decode_header(memoryview(head), expect_key=key, object_len=total)[0]
+        except CorruptObject:
+            return None
+
+    def renew(self, key: ChunkKey) -> bool:
+        """Restart the object's lease now; ``False`` if it is not there."""
+        now = self._clock.wall()
+        name = self.object_name(key)
+        try:
+            self.io.client.copy_object(
+                Bucket=self.bucket,
+                Key=name,
+                CopySource={"Bucket": self.bucket, "Key": name},
+                MetadataDirective="REPLACE",
+                Metadata={_USED: repr(now)},
+            )
+            head = self.io.head(name)
+        except ClientError as e:
+            if code(e) not in _GONE:
+                self._fault("touch", e)
+            self._recency.forget(key)
+            return False
+        except BotoCoreError as e:
+            self._fault("touch", e)
+            return False
+        if head is None:
+            self._recency.forget(key)
+            return False
+        self._recency.remember(key, head.size, now, now)
+        return True
+
+    def expire(self, lease_seconds: float) -> int:
+        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
+        self.rescan()
+        cutoff = self._clock.wall() - lease_seconds
+        old = [k for k, e in self._recency.items() if e.last_used < cutoff]
+        if not old:
+            return 0
+        try:
+            heads = self.io.parallel(lambda k: self.io.head(self.object_name(k)), old)
+        except S3_ERRORS as e:
+            self._fault("expire", e)
+            return 0
+        doomed: dict[str, tuple[ChunkKey, str]] = {}
+        for key, head in zip(old, heads, strict=True):
+            if head is None:
+                self._recency.forget(key)
+            elif _used(head) >= cutoff:  # renewed since the listing
+                self._recency.remember(key, head.size, _used(head))
+            else:
+                doomed[self.object_name(key)] = (key, head.etag)
+        return self._delete(doomed, evicting=True)[0]
 
     def close(self) -> None:
         self.io.close()

@@ -72,7 +72,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(cfg, geometry, ns, path)
+            self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
         else:
             layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
             self._worker = WorkerSide(cfg, geometry, layers, path)

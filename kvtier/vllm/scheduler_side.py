@@ -19,6 +19,13 @@ Request life cycle:
    until the worker reports the copies done (``finished_sending``), then the slots are
    committed and cascade to the lower tiers.
 
+P/D roles (``role: prefill | decode``): the KV moves through a write-through shared tier.
+A decode request's ``kv_transfer_params["kvtier"]["expect"]`` names what the prefill node
+announced (``tokens``, ``last_key``); step 1 then answers ``None`` until those chunks are
+visible, or ``restore.wait_seconds`` pass (then it takes what is there and computes the
+rest). An announcement whose last key does not match this prompt's own chunk key is
+ignored: keys are content hashes, so a mismatch means a different prompt, never a wait.
+
 Invariants: a chunk is never saved twice (lookup before reserve); a load covers only
 chunks whose bytes are pinned in host memory; whatever fails, vLLM recomputes.
 """
@@ -54,6 +61,17 @@ def threshold_tokens(cfg: RestoreConfig) -> int:
     return AUTO_THRESHOLD_TOKENS if t == "auto" else t
 
 
+def _request_params(request: Any) -> dict[str, Any]:
+    """The request's ``kv_transfer_params["kvtier"]`` (empty if absent or malformed).
+
+    Keys read: ``expect`` (P/D announcement), ``load: false`` (never restore: a
+    recompute reference, or D->P reuse switched off), ``save: false`` (store nothing).
+    """
+    params = getattr(request, "kv_transfer_params", None)
+    mine = params.get("kvtier") if isinstance(params, dict) else None
+    return mine if isinstance(mine, dict) else {}
+
+
 def _release_when_done(fut: Future[Pinned]) -> None:
     if fut.exception() is None:
         fut.result().release()
@@ -85,6 +103,7 @@ class SchedulerSide:
         pool_path: Any,
         *,
         store: TieredStore | None = None,
+        role: str = "both",
     ) -> None:
         self.cfg = cfg
         self.geom = geometry
@@ -101,8 +120,12 @@ class SchedulerSide:
         self._load_pins: list[Pinned] = []
         self._to_save: list[CopyOp] = []
         self._pins_by_step: dict[int, list[Pinned]] = {}
-        self._restored: dict[str, dict[str, int]] = {}
+        self._restored: dict[str, tuple[dict[str, int], float]] = {}
+        self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._step = 0
+        self.role = role
+        self.wait_s = cfg.restore.wait_seconds
+        self.lease_s = cfg.retention.lease_seconds
 
     def _build_store(self, pool_path: Any) -> TieredStore:
         host = HostTier(  # the worker allocated and touched this memory
@@ -152,14 +175,20 @@ class SchedulerSide:
             self._forget(rid)  # vLLM's own hit shrank below what we started from
             lk = None
         if lk is None:
+            if _request_params(request).get("load") is False:
+                return 0, False
             _, keys = self._keys(request, request.num_tokens)
             first = num_computed // self.ct
             wanted = keys[: -(-limit // self.ct)]
             hit = self.store.lookup(wanted[first:])
+            announced = self._announced(request, keys, len(wanted))
+            if announced > first + hit.hits and self._keep_waiting(rid):
+                return None, False
+            t0 = self._waiting.pop(rid, time.perf_counter())
             tokens = min((first + hit.hits) * self.ct, limit)
             if hit.hits == 0 or tokens - num_computed < self.threshold:
                 return 0, False
-            lk = _Lookup(keys, first)
+            lk = _Lookup(keys, first, t0=t0)
             lk.future = self.store.load(list(hit.keys))
             self._lookups[rid] = lk
         if lk.future is not None:
@@ -180,6 +209,34 @@ class SchedulerSide:
             return 0, False
         lk.start_tokens = num_computed
         return ext, False
+
+    def _announced(self, request: Any, keys: list[ChunkKey], usable: int) -> int:
+        """Chunks the prefill node announced for this request and we may use (P/D)."""
+        expect = _request_params(request).get("expect")
+        if not isinstance(expect, dict):
+            return 0
+        tokens, last = expect.get("tokens"), expect.get("last_key")
+        if not isinstance(tokens, int) or not isinstance(last, str) or tokens < self.ct:
+            return 0
+        n = tokens // self.ct
+        if n > len(keys) or keys[n - 1].hex() != last:
+            log.warning(
+                "kvtier: %s announces %d tokens ending in %s, which is not this prompt's "
+                "chunk; not waiting for it", request.request_id, tokens, last[:16],
+            )
+            return 0
+        return min(n, usable)
+
+    def _keep_waiting(self, rid: str) -> bool:
+        now = time.perf_counter()
+        t0 = self._waiting.setdefault(rid, now)
+        if now - t0 < self.wait_s:
+            return True
+        log.warning(
+            "kvtier: announced KV for %s not visible after %.1f s; computing the rest",
+            rid, now - t0,
+        )
+        return False
 
     # -- 2. allocation -> copy ops ----------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -204,12 +261,12 @@ class SchedulerSide:
             by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
         self._load_pins.append(lk.pinned)
         record_restore(by_tier)
-        self._restored[rid] = by_tier
+        staged_ms = (time.perf_counter() - lk.t0) * 1e3
+        self._restored[rid] = (by_tier, staged_ms)
         log.info(
             "kvtier: restoring %d tokens for %s (%s), %.1f MiB, staged in %.1f ms",
             num_external, rid, ", ".join(f"{t} {n}" for t, n in by_tier.items()),
-            num_external / self.ct * self.slot_bytes / 2**20,
-            (time.perf_counter() - lk.t0) * 1e3,
+            num_external / self.ct * self.slot_bytes / 2**20, staged_ms,
         )
 
     # -- 4. the eviction hook ---------------------------------------------------------------
@@ -219,20 +276,28 @@ class SchedulerSide:
         """Reserve slots for the request's unsaved full chunks.
 
         Returns (delay freeing the blocks, ``kv_transfer_params`` for the response):
-        the params say what kvtier restored for this request and what it now holds.
+        the params say what kvtier restored for this request and what it now holds:
+        ``namespace``, ``tokens`` (full chunks stored, prompt and output), ``last_key``
+        (names the whole chain) and ``expires_at`` (wall clock, end of the shared-tier
+        lease unless renewed), plus restore statistics.
         """
         rid = request.request_id
         self._forget(rid)
-        restored = self._restored.pop(rid, {})
+        self._waiting.pop(rid, None)
+        restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
         ns, keys = self._keys(request, n_chunks * self.ct)
-        saved = self._save(rid, ns, keys, block_ids) if n_chunks else 0
+        wanted = n_chunks and _request_params(request).get("save") is not False
+        saved = self._save(rid, ns, keys, block_ids) if wanted else 0
         params = {
             "namespace": ns.hex(),
             "tokens": n_chunks * self.ct,
             "last_key": keys[-1].hex() if keys else None,
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
+            "restore_ms": round(restore_ms, 3),
+            "expires_at": time.time() + self.lease_s,
+            "role": self.role,
             "spilled_bytes": saved * self.slot_bytes,
             "write_through_bytes": n_chunks * self.slot_bytes,
         }

@@ -5,6 +5,9 @@ Keys (all others are an error naming the key):
 * ``config``: path to the kvtier YAML (required).
 * ``overrides``: ``{"dotted.key": value}`` applied to the YAML before validation.
 * ``model_fingerprint``: use this string instead of hashing the model's config/weights.
+* ``role``: ``both`` (default; one engine, eviction tiering), or ``prefill`` / ``decode``
+  for P/D disaggregation. Both P/D roles need a write-through lower tier that the other
+  node reaches (the KV moves through it), and say so at start if there is none.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from typing import Any
 
 from kvtier.config import ConfigError, KVTierConfig, load_config
 
-ALLOWED = {"config", "overrides", "model_fingerprint"}
+ALLOWED = {"config", "overrides", "model_fingerprint", "role"}
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     config: KVTierConfig
     model_fingerprint: str | None
+    role: str = "both"
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -43,4 +48,18 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     fp = extra.get("model_fingerprint")
     if fp is not None and not isinstance(fp, str):
         raise ConfigError("kv_connector_extra_config.model_fingerprint: must be a string")
-    return ConnectorSettings(load_config(path, overrides=overrides), fp)
+    role = extra.get("role", "both")
+    if role not in ROLES:
+        raise ConfigError(
+            f"kv_connector_extra_config.role: {role!r} is not one of {list(ROLES)}"
+        )
+    cfg = load_config(path, overrides=overrides)
+    if role != "both" and not any(
+        t.spec.write == "through" for t in cfg.tiers[1:]  # type: ignore[union-attr]
+    ):
+        raise ConfigError(
+            f"kv_connector_extra_config.role: {role!r} moves KV through a shared tier, but "
+            f"{path} has no lower tier with 'write: through'; add a file or s3 tier that "
+            "both nodes reach, with write: through (see configs/pd-shared.yaml)"
+        )
+    return ConnectorSettings(cfg, fp, role)

@@ -31,6 +31,8 @@ def test_valid_extra_config(tmp_path: Path) -> None:
         ({"colour": "red"}, "unknown key(s) ['colour']"),
         ({"overrides": {"tiers.0.host.capacity": "lots"}}, "tiers[0].host.capacity"),
         ({"overrides": "x"}, "overrides: must be a mapping"),
+        ({"role": "router"}, "role: 'router' is not one of"),
+        ({"role": "decode"}, "no lower tier with 'write: through'"),
     ],
 )
 def test_bad_extra_config_names_the_field(tmp_path: Path, extra: dict[str, object],
@@ -40,6 +42,14 @@ def test_bad_extra_config_names_the_field(tmp_path: Path, extra: dict[str, objec
     with pytest.raises(ConfigError) as e:
         parse_extra_config(extra)
     assert needle in str(e.value)
+
+
+def test_pd_roles_need_a_write_through_shared_tier(tmp_path: Path) -> None:
+    p = tmp_path / "pd.yaml"
+    p.write_text(f"tiers:\n  - host: {{capacity: 64MiB}}\n"
+                 f"  - file: {{path: {tmp_path / 'shared'}, capacity: 1GiB, write: through}}\n")
+    for role in ("prefill", "decode", "both"):
+        assert parse_extra_config({"config": str(p), "role": role}).role == role
 
 
 def test_chunk_tokens_must_be_a_multiple_of_block_size() -> None:
@@ -54,7 +64,9 @@ def test_shipped_vllm_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
-    files = sorted((root / "configs").glob("vllm-*.json"))
+    files = sorted((root / "configs").glob("vllm-*.json")) + sorted(
+        (root / "configs").glob("pd-*.json")
+    )
     assert files
     for f in files:
         doc = json.loads(f.read_text())

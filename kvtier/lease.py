@@ -1,0 +1,58 @@
+"""Leases on conversations kept in shared tiers, for P/D serving (decode -> prefill reuse).
+
+A conversation is a chain of chunks: each object's header names its parent, so its last
+key identifies all of it. Its lease is the lease of its objects (``SharedTier``): reads
+renew them, ``renew_chain`` renews a whole chain at once (the router's heartbeat), and
+``expire_all`` is the collector that removes what nobody used for ``lease_seconds``.
+
+Invariant: expiry only ever removes whole objects that another node has not renewed since
+(each tier re-checks before deleting), so a live conversation is never cut; a chain cut
+by expiry is a shorter prefix, which restores correctly and recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvtier.keys import ChunkKey, key_from_hex
+from kvtier.tiers.base import SharedTier
+
+log = logging.getLogger("kvtier.lease")
+
+
+def renew_chain(tiers: Sequence[SharedTier], last_key_hex: str, max_chunks: int = 65536) -> int:
+    """Renew the chain ending at ``last_key_hex`` in every tier that holds it.
+
+    Walks parent links from the last chunk to the first; returns the number of chunks
+    renewed in at least one tier. Stops at the first chunk no tier holds.
+    """
+    key: ChunkKey | None = key_from_hex(last_key_hex)
+    n = 0
+    while key is not None and n < max_chunks:
+        parent: ChunkKey | None = None
+        found = False
+        for tier in tiers:
+            if not tier.renew(key):
+                continue
+            found = True
+            if parent is None:
+                meta = tier.read_meta(key)
+                parent = meta.parent if meta is not None else None
+        if not found:
+            break
+        n += 1
+        key = parent
+    return n
+
+
+def expire_all(tiers: Sequence[SharedTier], lease_seconds: float) -> int:
+    """Run the collector on every tier; returns the number of objects removed."""
+    n = 0
+    for tier in tiers:
+        removed = tier.expire(lease_seconds)
+        if removed:
+            log.info("%s: %d objects past their %.0f s lease removed", tier.name, removed,
+                     lease_seconds)
+        n += removed
+    return n

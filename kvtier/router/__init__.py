@@ -1,0 +1,134 @@
+"""``kvtier router``: an HTTP proxy for prefill/decode disaggregated vLLM serving.
+
+The router owns the P/D hand-off: it sends each request to a prefill server with
+``max_tokens=1``, passes the ``kvtier`` params that server returns (namespace, token count,
+last chunk key) to a decode server as ``expect``, and streams the decode answer back. KV
+itself moves through the shared kvtier tiers, never through the router.
+
+This module is importable without aiohttp (the rest of the ``kvtier`` CLI must work where
+aiohttp is not installed): it holds the settings and the command-line flags, and imports
+``kvtier.router.app`` only when the router is built or served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.router.app import build_app
+
+__all__ = ["RouterSettings", "add_arguments", "build_app", "serve", "settings_from_args"]
+
+DEFAULT_LEASE_SECONDS = 480.0
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything the router needs; validated once, here. Durations are in seconds."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tiers: Path | None = None  # kvtier config whose shared tiers leases are renewed on
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    conversation_ttl: float | None = None  # default 0.9 * lease_seconds
+    heartbeat_seconds: float | None = None  # default lease_seconds / 4
+    request_timeout: float = 600.0  # whole non-streamed call; gap between streamed chunks
+    connect_timeout: float = 5.0
+    health_timeout: float = 2.0
+    backend_cooldown: float = 5.0  # a backend that refused a connection is skipped this long
+    max_body_bytes: int = 64 << 20
+    dp_reuse: bool = True  # False: prefill never restores (the "D->P off" baseline)
+
+    def __post_init__(self) -> None:
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--{role} {url!r}: must be an http:// or https:// URL")
+        for name in ("lease_seconds", "request_timeout", "connect_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("conversation_ttl", "heartbeat_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.backend_cooldown < 0:
+            raise ValueError(f"backend_cooldown must be >= 0, got {self.backend_cooldown}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+    @property
+    def ttl_seconds(self) -> float:
+        return self.conversation_ttl or 0.9 * self.lease_seconds
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.heartbeat_seconds or self.lease_seconds / 4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``kvtier router`` flags (no positional config: ``--tiers`` is optional)."""
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill vLLM server, e.g. http://10.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode vLLM server (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tiers", type=Path, default=None, metavar="PATH",
+                   help="kvtier config; enables lease renewal of tracked conversations")
+    p.add_argument("--lease-seconds", type=float, default=None,
+                   help="storage lease (default: retention.lease_seconds of --tiers, else 480)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    p.add_argument("--heartbeat-seconds", type=float, default=None, metavar="S",
+                   help="lease renewal period (default lease/4)")
+    p.add_argument("--backend-cooldown", type=float, default=5.0, metavar="S",
+                   help="skip a backend this long after it refused a connection")
+    p.add_argument("--no-dp-reuse", dest="dp_reuse", action="store_false",
+                   help="prefill recomputes instead of loading stored KV (a baseline)")
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    lease: float | None = args.lease_seconds
+    if lease is None and args.tiers is not None:
+        from kvtier.config import load_config
+
+        lease = load_config(args.tiers).retention.lease_seconds
+    return RouterSettings(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        host=args.host,
+        port=args.port,
+        tiers=args.tiers,
+        lease_seconds=lease or DEFAULT_LEASE_SECONDS,
+        heartbeat_seconds=args.heartbeat_seconds,
+        request_timeout=args.request_timeout,
+        connect_timeout=args.connect_timeout,
+        backend_cooldown=args.backend_cooldown,
+        dp_reuse=args.dp_reuse,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the router until interrupted. Raises ``ValueError``/``ConfigError`` on bad flags."""
+    settings = settings_from_args(args)
+    from aiohttp import web
+
+    from kvtier.router.app import build_app
+
+    logging.getLogger("kvtier.router").setLevel(logging.INFO)
+    web.run_app(build_app(settings), host=settings.host, port=settings.port, access_log=None)
+    return 0
+
+
+def __getattr__(name: str) -> object:
+    if name == "build_app":
+        from kvtier.router import app
+
+        return app.build_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

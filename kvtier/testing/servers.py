@@ -1,0 +1,152 @@
+"""Start vLLM's OpenAI API server as a subprocess, for tests and benchmarks.
+
+Use as a context manager; the server is terminated (then killed) on exit, whatever
+happened, and its log is kept in ``<tmp>/<name>.log`` for post-mortems::
+
+    with APIServer(tmp, model=model, name="decode", kv_transfer_config=cfg) as srv:
+        httpx.post(srv.url + "/v1/completions", json={...})
+
+Invariants: ``start`` returns only once ``/health`` answers 200, or raises with the tail
+of the server's log; the port is chosen free on 127.0.0.1 unless given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import httpx
+
+from kvtier.testing.engines import engine_env
+
+#: Seconds to wait for ``/health`` (observed 25-110 s on a loaded 2-core machine).
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class APIServer:
+    """One ``python -m vllm.entrypoints.openai.api_server`` process."""
+
+    def __init__(
+        self,
+        tmp: str | os.PathLike[str],
+        *,
+        model: str | os.PathLike[str],
+        name: str = "vllm",
+        port: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        kv_cache_gib: int = 1,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        prefix_caching: bool = True,
+        num_gpu_blocks_override: int | None = None,
+        block_size: int | None = None,
+        extra_args: list[str] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.tmp / f"{name}.log"
+        self.startup_timeout_s = startup_timeout_s
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "model",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--enforce-eager",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        if num_gpu_blocks_override is not None:
+            args += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
+        if block_size is not None:
+            args += ["--block-size", str(block_size)]
+        self.args = args + list(extra_args or [])
+        env = dict(os.environ)
+        env.update(engine_env(self.tmp / f"{name}-env", kv_cache_gib))
+        env.update(extra_env or {})
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> APIServer:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.name} API server exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)  # polling a subprocess, not driving test time
+        self.stop()
+        raise TimeoutError(
+            f"{self.name} API server not healthy after {self.startup_timeout_s:.0f} s:\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crashed backend, for fault tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> APIServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

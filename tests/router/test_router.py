@@ -1,0 +1,470 @@
+"""The router against small fault-injecting OpenAI-subset backends (no vLLM).
+
+Each test runs one event loop with ``asyncio.run``: fake prefill/decode servers on
+ephemeral ports, and the router in-process through ``aiohttp.test_utils``. Time-dependent
+behaviour (conversation TTL) is driven by a ``ManualClock``; timeouts are short settings,
+never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from kvtier.clock import ManualClock
+from kvtier.router import RouterSettings
+from kvtier.router.app import ROUTER_KEY, build_app
+from kvtier.tiers.file import FileTier
+from tests.tiers.harness import make_key, meta_for, payload_for
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def completion_of(prompt: str, n_words: int = 6) -> list[str]:
+    """The fake model's deterministic answer to ``prompt``, as its stream pieces."""
+    digest = hashlib.sha256(prompt.encode()).hexdigest()
+    return [f" w{digest[i * 4:i * 4 + 4]}" for i in range(n_words)]
+
+
+def key_of(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def prompt_of(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return "\n".join(str(m.get("content", "")) for m in body["messages"])
+    return str(body["prompt"])
+
+
+@dataclass
+class Backend:
+    """A fake vLLM server. ``mode``: ok, fail500, reject400, hang, break (mid-stream)."""
+
+    mode: str = "ok"
+    health: int = 200
+    barrier: asyncio.Barrier | None = None  # streams wait here until all have arrived
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    last_key: str | None = None  # report this chain end instead of a hash of the text
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/health", self.get_health)
+        return app
+
+    async def get_health(self, _request: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "hang":
+            await self.release.wait()  # set at teardown; the router gives up long before
+        if self.mode == "fail500":
+            return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
+        if self.mode == "reject400":
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        prompt = prompt_of(body)
+        pieces = completion_of(prompt)[: body.get("max_tokens") or 6]
+        if body.get("stream"):
+            return await self.stream(request, pieces)
+        phase = body["kv_transfer_params"]["kvtier"]["phase"]
+        text = prompt if phase == "prefill" else prompt + "".join(pieces)
+        params = {"namespace": "ab" * 8, "tokens": len(text),
+                  "last_key": self.last_key or key_of(text),
+                  "expires_at": 0.0, "restored_tokens": 7, "restored_by_tier": {"file1": 7},
+                  "restore_ms": 12.5}
+        return web.json_response({"choices": [{"text": "".join(pieces)}],
+                                  "kv_transfer_params": {"kvtier": params}})
+
+    async def stream(self, request: web.Request, pieces: list[str]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.barrier is not None:
+            await asyncio.wait_for(self.barrier.wait(), 10)
+        for i, piece in enumerate(pieces):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+            if self.mode == "break" and i == 1:
+                raise ConnectionResetError("fake backend died mid-stream")
+            await asyncio.sleep(0)  # yield, so concurrent streams interleave
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@dataclass
+class Harness:
+    client: TestClient[web.Request, web.Application]
+    prefill: Backend
+    decode: Backend
+    clock: ManualClock
+    renewed: list[str]
+
+
+@asynccontextmanager
+async def harness(prefill: Backend | None = None, decode: Backend | None = None,
+                  decode_urls: tuple[str, ...] | None = None, real_tiers: bool = False,
+                  **settings: Any) -> AsyncIterator[Harness]:
+    prefill, decode = prefill or Backend(), decode or Backend()
+    servers = [TestServer(prefill.app()), TestServer(decode.app())]
+    for s in servers:
+        await s.start_server()
+    clock, renewed = ManualClock(), []
+
+    def renewer(last_key: str) -> int:
+        renewed.append(last_key)
+        return 3
+
+    cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
+                         decode=decode_urls or (str(servers[1].make_url("")),), **settings)
+    app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        yield Harness(client, prefill, decode, clock, renewed)
+    finally:
+        prefill.release.set()
+        decode.release.set()
+        await client.close()
+        for s in servers:
+            await s.close()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())  # type: ignore[arg-type]
+
+
+async def post(h: Harness, body: object, path: str = "/v1/completions",
+               **headers: str) -> tuple[int, Any, dict[str, str]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with h.client.post(path, data=data, headers=headers) as resp:
+        text = await resp.text()
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = text
+        return resp.status, doc, dict(resp.headers)
+
+
+# -- validation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "path", "needle"), [
+    (b"{not json", "/v1/completions", "not valid JSON"),
+    (b"[1, 2]", "/v1/completions", "JSON object"),
+    ({"model": "m"}, "/v1/completions", "'prompt' is required"),
+    ({"prompt": "x"}, "/v1/chat/completions", "'messages' is required"),
+    ({"prompt": "x", "stream": "yes"}, "/v1/completions", "'stream'"),
+    ({"prompt": "x", "max_tokens": 0}, "/v1/completions", "'max_tokens'"),
+    ({"prompt": "x", "max_tokens": True}, "/v1/completions", "'max_tokens'"),
+    ({"prompt": "x", "conversation_id": ""}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "conversation_id": 5}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "kv_transfer_params": {}}, "/v1/completions", "kv_transfer_params"),
+])
+def test_malformed_requests_are_400_with_a_message(body: object, path: str,
+                                                    needle: str) -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            status, doc, _ = await post(h, body, path)
+            assert status == 400
+            assert doc["error"]["type"] == "invalid_request_error"
+            assert needle in doc["error"]["message"]
+            assert h.prefill.bodies == [] and h.decode.bodies == []
+    run(scenario)
+
+
+# -- the P/D hand-off ----------------------------------------------------------------------
+
+
+def test_prefill_is_one_token_unstreamed_and_decode_gets_its_expect() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            body = {"prompt": "hello", "stream": False, "max_tokens": 4, "min_tokens": 2,
+                    "stream_options": {"include_usage": True}, "conversation_id": "c1"}
+            status, doc, headers = await post(h, body)
+            assert status == 200 and headers["X-KVTier-Conversation"] == "new"
+            assert doc["choices"][0]["text"] == "".join(completion_of("hello")[:4])
+            (pre,), (dec,) = h.prefill.bodies, h.decode.bodies
+            assert pre["max_tokens"] == 1 and pre["stream"] is False
+            assert "stream_options" not in pre and "min_tokens" not in pre
+            assert pre["kv_transfer_params"] == {"kvtier": {"phase": "prefill"}}
+            assert "conversation_id" not in pre and "conversation_id" not in dec
+            assert dec["max_tokens"] == 4 and dec["stream_options"] == {"include_usage": True}
+            assert dec["kv_transfer_params"] == {"kvtier": {"phase": "decode", "expect": {
+                "namespace": "ab" * 8, "tokens": len("hello"), "last_key": key_of("hello")}}}
+    run(scenario)
+
+
+def test_chat_caps_max_completion_tokens_and_header_names_the_conversation() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+            status, _, headers = await post(h, body, "/v1/chat/completions",
+                                            **{"X-Conversation-Id": "chat-1"})
+            assert status == 200 and headers["X-KVTier-Conversation"] == "new"
+            assert h.prefill.bodies[0]["max_completion_tokens"] == 1
+            assert h.decode.bodies[0]["max_completion_tokens"] == 9
+            status, _, headers = await post(h, body, "/v1/chat/completions",
+                                            **{"X-Conversation-Id": "chat-1"})
+            assert headers["X-KVTier-Conversation"] == "known"
+    run(scenario)
+
+
+def test_decode_without_prefill_params_gets_a_bare_phase() -> None:
+    async def scenario() -> None:
+        prefill = Backend()
+        original = prefill.generate
+
+        async def no_params(request: web.Request) -> web.StreamResponse:
+            await original(request)
+            return web.json_response({"choices": [{"text": "x"}]})
+        prefill.generate = no_params  # type: ignore[method-assign]
+        async with harness(prefill=prefill) as h:
+            status, _, _ = await post(h, {"prompt": "p"})
+            assert status == 200
+            assert h.decode.bodies[0]["kv_transfer_params"] == {"kvtier": {"phase": "decode"}}
+    run(scenario)
+
+
+async def stream_text(h: Harness, prompt: str, cid: str | None) -> tuple[int, str, bytes]:
+    body: dict[str, Any] = {"prompt": prompt, "stream": True}
+    if cid is not None:
+        body["conversation_id"] = cid
+    async with h.client.post("/v1/completions", json=body) as resp:
+        raw = await resp.read()
+    text = ""
+    for event in raw.decode().split("\n\n"):
+        payload = event.removeprefix("data: ")
+        if event.startswith("data: ") and payload != "[DONE]":
+            for choice in json.loads(payload).get("choices", []):  # an error event has none
+                text += choice.get("text", "")
+    return resp.status, text, raw
+
+
+def test_streaming_passes_the_sse_bytes_through() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            status, text, raw = await stream_text(h, "stream me", None)
+            assert status == 200
+            assert text == "".join(completion_of("stream me"))
+            assert raw.endswith(b"data: [DONE]\n\n")
+            assert raw.count(b"data: ") == len(completion_of("stream me")) + 1
+    run(scenario)
+
+
+def test_twenty_concurrent_streaming_conversations_neither_lose_nor_mix() -> None:
+    n = 20
+
+    async def scenario() -> None:
+        async with harness(decode=Backend(barrier=asyncio.Barrier(n))) as h:
+            prompts = {f"conv-{i}": f"prompt number {i} " * (i + 1) for i in range(n)}
+            results = await asyncio.gather(*(stream_text(h, p, c) for c, p in prompts.items()))
+            for (cid, prompt), (status, text, _) in zip(prompts.items(), results, strict=True):
+                assert status == 200, cid
+                assert text == "".join(completion_of(prompt)), cid
+            for cid, prompt in prompts.items():  # the map holds each one's own prefill params
+                status, doc, _ = await post(h, {"conversation_id": cid}, "/v1/kvtier/renew")
+                assert (status, doc) == (200, {"renewed_chunks": 3}), cid
+                assert h.renewed[-1] == key_of(prompt), cid
+    run(scenario)
+
+
+def test_non_streaming_turn_stores_the_decode_params() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            await post(h, {"prompt": "q", "conversation_id": "c"})
+            await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
+            assert h.renewed == [key_of("q" + "".join(completion_of("q")))]
+    run(scenario)
+
+
+# -- conversation TTL and leases -------------------------------------------------------------
+
+
+def test_conversations_expire_after_the_ttl_of_the_injected_clock() -> None:
+    async def scenario() -> None:
+        async with harness(lease_seconds=100.0) as h:  # ttl 90 s
+            await post(h, {"prompt": "a", "conversation_id": "c"})
+            h.clock.advance(89.0)
+            _, _, headers = await post(h, {"prompt": "a", "conversation_id": "c"})
+            assert headers["X-KVTier-Conversation"] == "known"
+            h.clock.advance(89.0)  # 89 s after the last turn: still live
+            assert (await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew"))[0] == 200
+            h.clock.advance(90.0)  # the renew restarted the ttl; now it is past
+            status, doc, _ = await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
+            assert status == 404 and "unknown or expired" in doc["error"]["message"]
+            _, _, headers = await post(h, {"prompt": "a", "conversation_id": "c"})
+            assert headers["X-KVTier-Conversation"] == "new"
+    run(scenario)
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    (b"nope", 400), (b"{}", 400), ({"conversation_id": ""}, 400),
+    ({"conversation_id": "never-seen"}, 404),
+])
+def test_renew_endpoint_errors(body: object, status: int) -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            got, doc, _ = await post(h, body, "/v1/kvtier/renew")
+            assert got == status and doc["error"]["message"]
+    run(scenario)
+
+
+def test_heartbeat_renews_every_live_conversation() -> None:
+    async def scenario() -> None:
+        async with harness(lease_seconds=100.0) as h:
+            await post(h, {"prompt": "a", "conversation_id": "old"})
+            h.clock.advance(50.0)
+            await post(h, {"prompt": "b", "conversation_id": "new"})
+            h.clock.advance(45.0)  # "old" is past its 90 s ttl
+            assert await h.client.app[ROUTER_KEY].renew_all() == 3
+            assert h.renewed == [key_of("b" + "".join(completion_of("b")))]
+    run(scenario)
+
+
+def test_renew_through_the_tiers_of_a_kvtier_config(tmp_path: Path) -> None:
+    pytest.importorskip("kvtier.lease")
+    store = tmp_path / "store"
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(f"tiers:\n  - host: {{capacity: 64MiB}}\n"
+                      f"  - file: {{path: {store}, capacity: 1GiB}}\n")
+    tier = FileTier(store, 1 << 30)
+    keys = [make_key(i) for i in range(3)]
+    for i, key in enumerate(keys):
+        meta = dataclasses.replace(meta_for(key), parent=keys[i - 1] if i else None)
+        tier.put(meta, payload_for(key).data)
+    tier.close()
+
+    async def scenario() -> None:
+        prefill = Backend(last_key=keys[-1].hex())
+        async with harness(prefill=prefill, real_tiers=True, tiers=config) as h:
+            assert (await stream_text(h, "x", "c"))[0] == 200
+            status, doc, _ = await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
+            assert (status, doc) == (200, {"renewed_chunks": 3})
+    run(scenario)
+
+
+def test_renew_without_tiers_is_501() -> None:
+    async def scenario() -> None:
+        async with harness(real_tiers=True) as h:
+            await post(h, {"prompt": "x", "conversation_id": "c"})
+            status, doc, _ = await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
+            assert status == 501 and "--tiers" in doc["error"]["message"]
+    run(scenario)
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def test_backend_refusing_connections_is_502_then_503_during_the_cooldown() -> None:
+    async def scenario() -> None:
+        async with harness(decode_urls=("http://127.0.0.1:9",)) as h:
+            status, doc, _ = await post(h, {"prompt": "x"})
+            assert status == 502 and "cannot connect" in doc["error"]["message"]
+            status, doc, _ = await post(h, {"prompt": "x"})
+            assert status == 503 and "no healthy decode backend" in doc["error"]["message"]
+            h.clock.advance(5.0)
+            assert (await post(h, {"prompt": "x"}))[0] == 502
+    run(scenario)
+
+
+def test_backend_that_never_answers_is_504_within_the_timeout() -> None:
+    async def scenario() -> None:
+        async with harness(prefill=Backend(mode="hang"), request_timeout=0.3) as h:
+            status, doc, _ = await asyncio.wait_for(post(h, {"prompt": "x"}), 5)
+            assert status == 504 and "0.3s" in doc["error"]["message"]
+    run(scenario)
+
+
+def test_streaming_backend_that_never_answers_is_504() -> None:
+    async def scenario() -> None:
+        async with harness(decode=Backend(mode="hang"), request_timeout=0.3) as h:
+            status, _, _ = await asyncio.wait_for(stream_text(h, "x", None), 5)
+            assert status == 504
+    run(scenario)
+
+
+def test_backend_500_is_502_with_its_message() -> None:
+    async def scenario() -> None:
+        async with harness(decode=Backend(mode="fail500")) as h:
+            status, doc, _ = await post(h, {"prompt": "x"})
+            assert status == 502 and "CUDA out of memory" in doc["error"]["message"]
+    run(scenario)
+
+
+def test_backend_4xx_passes_through() -> None:
+    async def scenario() -> None:
+        async with harness(prefill=Backend(mode="reject400")) as h:
+            status, doc, _ = await post(h, {"prompt": "x" * 100})
+            assert status == 400 and doc == {"error": {"message": "prompt too long"}}
+            assert h.decode.bodies == []
+    run(scenario)
+
+
+def test_stream_broken_mid_way_ends_the_response() -> None:
+    async def scenario() -> None:
+        async with harness(decode=Backend(mode="break")) as h:
+            status, text, raw = await asyncio.wait_for(stream_text(h, "x", "c"), 5)
+            assert status == 200 and text == "".join(completion_of("x")[:2])
+            assert b"broke off" in raw and not raw.endswith(b"[DONE]\n\n")
+            status, _, _ = await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
+            assert status == 404  # a broken turn is not recorded
+    run(scenario)
+
+
+# -- health and metrics --------------------------------------------------------------------
+
+
+def test_health_is_200_when_every_backend_is_and_503_naming_the_failed_one() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            async with h.client.get("/health") as resp:
+                doc = await resp.json()
+                assert resp.status == 200 and doc["status"] == "ok"
+                assert len(doc["prefill"]) == 1 and len(doc["decode"]) == 1
+            h.decode.health = 503
+            async with h.client.get("/health") as resp:
+                doc = await resp.json()
+                assert resp.status == 503 and list(doc["failed"]) == doc["decode"]
+    run(scenario)
+
+
+def test_metrics_has_the_histograms_and_counts() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            await post(h, {"prompt": "x", "conversation_id": "c"})
+            await post(h, {"prompt": 1, "stream": 3})
+            async with h.client.get("/metrics") as resp:
+                text = await resp.text()
+        for name in ("kvtier_router_prefill_seconds_bucket", "kvtier_router_ttft_seconds_count",
+                     "kvtier_router_kv_load_seconds_sum"):
+            assert name in text
+        assert 'kvtier_router_requests_total{endpoint="completions",status="200"} 1.0' in text
+        assert 'kvtier_router_requests_total{endpoint="completions",status="400"} 1.0' in text
+        assert "kvtier_router_kv_load_tokens_total 7.0" in text
+        assert "kvtier_router_conversations 1.0" in text
+    run(scenario)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def test_cli_rejects_bad_router_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import EXIT_USAGE, main
+
+    assert main(["router", "--prefill", "ftp://x", "--decode", "http://y"]) == EXIT_USAGE
+    assert "--prefill 'ftp://x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["router", "--prefill", "http://x"])  # --decode is required
