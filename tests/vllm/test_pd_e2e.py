@@ -1,0 +1,297 @@
+"""P/D disaggregation end to end: two real vLLM API servers, the kvtier router, fp32.
+
+Topology (all on 127.0.0.1): a prefill server (prefix caching off, to emulate eviction,
+as seed 000 does), a decode server, and ``python -m kvtier router`` in front. KV moves
+only through the shared file tier. Every output is compared with a recompute reference:
+the same prompt on the prefill server with ``kvtier: {load: false, save: false}``.
+
+What a turn restored on the prefill node is read from vLLM's own counters
+(``vllm:prompt_tokens_by_source_total``), so requests here run one at a time except in
+the concurrency test, which checks outputs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvtier.clock import ManualClock
+from kvtier.testing.servers import APIServer, free_port
+from kvtier.tiers.file import FileTier
+
+CT = 128  # chunk tokens = vLLM's CPU block size
+THRESHOLD = 200  # above one chunk, so a single reusable chunk is below it
+LEASE = 480.0
+VOCAB_LO, VOCAB_HI = 10, 400
+BASE = {"model": "model", "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+REFERENCE = {"kvtier": {"load": False, "save": False}}
+
+
+@dataclass
+class PD:
+    prefill: APIServer
+    decode: APIServer
+    router_url: str
+    router: subprocess.Popen[bytes]
+    shared: Path
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
+
+    def reference(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        body = {**BASE, "prompt": prompt, "max_tokens": max_tokens,
+                "kv_transfer_params": REFERENCE}
+        r = self.client.post(self.prefill.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice: dict[str, Any] = r.json()["choices"][0]
+        return choice
+
+    def turn(self, conv: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+        body = {**BASE, "prompt": prompt, "max_tokens": max_tokens, "conversation_id": conv}
+        return self.client.post(self.router_url + "/v1/completions", json=body)
+
+    def prefill_tokens(self) -> dict[str, float]:
+        text = self.client.get(self.prefill.url + "/metrics").text
+        out: dict[str, float] = {}
+        for m in re.finditer(
+            r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$',
+            text, re.M,
+        ):
+            out[m.group(1)] = float(m.group(2))
+        return out
+
+    def wait_stored(self, last_key: str, timeout: float = 60.0) -> None:
+        """The decode node writes after it answers; wait until the chain's end is on disk."""
+        path = FileTier(self.shared, 1 << 30).path_of(bytes.fromhex(last_key))  # type: ignore[arg-type]
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert time.monotonic() < deadline, f"{path} never appeared"
+            time.sleep(0.05)  # polling another process, not driving test time
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+def _kvtier(resp: httpx.Response) -> dict[str, Any]:
+    assert resp.status_code == 200, resp.text
+    params: dict[str, Any] = resp.json()["kv_transfer_params"]["kvtier"]
+    return params
+
+
+def _connector(config: Path, role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": str(config), "role": role},
+    }
+
+
+def _start_router(tmp: Path, prefill: str, decode: str, tiers: Path) -> tuple[str, Any]:
+    port = free_port()
+    log = open(tmp / "router.log", "ab")  # noqa: SIM115 - closed with the fixture
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "router", "--prefill", prefill, "--decode", decode,
+         "--port", str(port), "--tiers", str(tiers), "--request-timeout", "60"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp / "router.log").read_text()
+        try:
+            httpx.get(url + "/metrics", timeout=1)
+            return url, (proc, log)
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError("router did not start")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_fp32: Path) -> Iterator[PD]:
+    with tempfile.TemporaryDirectory(prefix="kvt-pd-") as d:
+        tmp = Path(d)
+        shared = tmp / "shared"
+        config = tmp / "pd.yaml"
+        config.write_text(json.dumps({
+            "chunk_tokens": CT,
+            "tiers": [{"host": {"capacity": "64MiB"}},
+                      {"file": {"path": str(shared), "capacity": "1GiB", "write": "through"}}],
+            "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30},
+            "retention": {"lease_seconds": LEASE},
+        }))
+        with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False,
+                       kv_transfer_config=_connector(config, "prefill")) as p, \
+             APIServer(tmp, model=tiny_fp32, name="decode",
+                       kv_transfer_config=_connector(config, "decode")) as dec:
+            url, (proc, log) = _start_router(tmp, p.url, dec.url, config)
+            env = PD(p, dec, url, proc, shared)
+            try:
+                yield env
+            finally:
+                env.client.close()
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+                log.close()
+
+
+def test_turn1_decode_loads_the_prefill_nodes_kv(pd: PD) -> None:
+    prompt = _tokens(600, seed=1)
+    ref = pd.reference(prompt, 16)
+    r = pd.turn("t1", prompt, 16)
+    params = _kvtier(r)
+    assert r.json()["choices"][0]["token_ids"] == ref["token_ids"]
+    assert params["restored_tokens"] == 512  # 4 full chunks; vLLM computes the rest
+    assert set(params["restored_by_tier"]) == {"file1"}
+    assert r.headers["X-KVTier-Conversation"] == "new"
+
+
+def test_turns_2_to_4_prefill_loads_the_decode_retained_kv(pd: PD) -> None:
+    prompt = _tokens(600, seed=2)
+    rng = random.Random(2)
+    retained = 0
+    for turn in range(1, 5):
+        ref = pd.reference(prompt, 48)
+        before = pd.prefill_tokens()
+        r = pd.turn("t2", prompt, 48)
+        after = pd.prefill_tokens()
+        params = _kvtier(r)
+        out = r.json()["choices"][0]["token_ids"]
+        assert out == ref["token_ids"], f"turn {turn}"
+        loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
+        computed = after["local_compute"] - before["local_compute"]
+        if turn > 1:
+            assert r.headers["X-KVTier-Conversation"] == "known"
+            assert loaded == retained > 0, f"turn {turn}: D->P loaded {loaded} of {retained}"
+            assert computed == len(prompt) - retained  # only the new suffix
+        retained = params["tokens"]  # the decode node kept prompt + output, full chunks
+        assert retained == (len(prompt) + len(out)) // CT * CT
+        pd.wait_stored(params["last_key"])
+        prompt = prompt + out + [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(100)]
+
+
+def test_fewer_reusable_tokens_than_the_threshold_recompute(pd: PD) -> None:
+    prompt = _tokens(200, seed=3)  # one full chunk: 128 < THRESHOLD reusable tokens
+    ref = pd.reference(prompt, 8)
+    r = pd.turn("t3", prompt, 8)
+    assert r.json()["choices"][0]["token_ids"] == ref["token_ids"]
+    assert _kvtier(r)["restored_tokens"] == 0
+
+
+def test_streaming_through_the_router(pd: PD) -> None:
+    prompt = _tokens(400, seed=4)
+    ref = pd.reference(prompt, 16)
+    body = {**BASE, "prompt": prompt, "max_tokens": 16, "stream": True,
+            "conversation_id": "t4"}
+    text = []
+    with pd.client.stream("POST", pd.router_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(text) == ref["text"]
+
+
+def _follow_up(conversation: str, turn: int) -> int:
+    return 1000 + int(conversation[1:]) * 10 + turn
+
+
+def test_concurrent_streaming_conversations_never_mix(pd: PD) -> None:
+    n, turns = 6, 2
+    prompts = {f"c{i}": _tokens(300 + 40 * i, seed=100 + i) for i in range(n)}
+    refs: dict[str, list[str]] = {c: [] for c in prompts}
+    histories = dict(prompts)
+    for c, p in prompts.items():  # references first, one at a time
+        for t in range(turns):
+            ref = pd.reference(p, 12)
+            refs[c].append(ref["text"])
+            p = p + ref["token_ids"] + _tokens(50, seed=_follow_up(c, t))
+
+    async def conversation(client: httpx.AsyncClient, c: str) -> list[str]:
+        p, got = histories[c], []
+        for t in range(turns):
+            body = {**BASE, "prompt": p, "max_tokens": 12, "stream": True,
+                    "conversation_id": c}
+            parts, ids = [], []
+            async with client.stream("POST", pd.router_url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choice = json.loads(line[6:])["choices"][0]
+                        parts.append(choice["text"])
+                        ids += choice.get("token_ids") or []
+            got.append("".join(parts))
+            p = p + ids + _tokens(50, seed=_follow_up(c, t))
+        return got
+
+    async def main() -> dict[str, list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            outs = await asyncio.wait_for(
+                asyncio.gather(*(conversation(client, c) for c in prompts)), timeout=600
+            )
+        return dict(zip(prompts, outs, strict=True))
+
+    assert asyncio.run(main()) == refs
+
+
+def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> None:
+    first = {c: _tokens(600, seed=s) for c, s in (("expire", 5), ("renew", 6))}
+    seconds = {}
+    for c, p in first.items():
+        r = pd.turn(c, p, 48)
+        params = _kvtier(r)
+        pd.wait_stored(params["last_key"])
+        out = r.json()["choices"][0]["token_ids"]
+        seconds[c] = (p + out + _tokens(100, seed=7), params["tokens"])
+    # Age every stored object by 100 s, renew one conversation through the router, then
+    # collect at a time past the original expiry of everything.
+    now = time.time()
+    for path in pd.shared.rglob("*.kv"):
+        os.utime(path, (now - 100, now - 100))
+    r = pd.client.post(pd.router_url + "/v1/kvtier/renew", json={"conversation_id": "renew"})
+    assert r.status_code == 200 and r.json()["renewed_chunks"] == seconds["renew"][1] // CT
+    collector = FileTier(pd.shared, 1 << 30, clock=ManualClock(start=now - 100 + LEASE + 1))
+    assert collector.expire(LEASE) > 0
+    for c, (prompt, retained) in seconds.items():
+        ref = pd.reference(prompt, 8)
+        before = pd.prefill_tokens()
+        r = pd.turn(c, prompt, 8)
+        loaded = pd.prefill_tokens()["external_kv_transfer"] - before["external_kv_transfer"]
+        assert r.json()["choices"][0]["token_ids"] == ref["token_ids"], c
+        if c == "renew":
+            assert loaded == retained  # the decode-written chunk survived in the shared tier
+        else:  # only the prompt chunks the prefill node still holds in host memory
+            assert loaded == 512 < retained
+
+
+def test_router_faults_get_a_clear_status(pd: PD) -> None:
+    url = pd.router_url + "/v1/completions"
+    r = pd.client.post(url, content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.text
+    r = pd.client.post(url, json={"model": "model", "max_tokens": 4})
+    assert r.status_code == 400 and "prompt" in r.text
+    r = pd.client.post(pd.router_url + "/v1/kvtier/renew", json={"conversation_id": "nobody"})
+    assert r.status_code == 404
+    r = pd.turn("never-seen", _tokens(50, seed=8), 4)  # unknown: served as a new one
+    assert r.status_code == 200 and r.headers["X-KVTier-Conversation"] == "new"
+    pd.decode.kill()
+    t0 = time.monotonic()
+    r = pd.turn("after-kill", _tokens(50, seed=9), 4)
+    assert r.status_code in (502, 503) and time.monotonic() - t0 < 30
+    assert pd.client.get(pd.router_url + "/health").status_code == 503
