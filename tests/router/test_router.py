@@ -207,6 +207,19 @@ def test_prefill_is_one_token_unstreamed_and_decode_gets_its_expect() -> None:
     run(scenario)
 
 
+def test_dp_reuse_off_tells_prefill_not_to_load_and_headers_report_the_prefill() -> None:
+    async def scenario() -> None:
+        async with harness(dp_reuse=False) as h:
+            status, _, headers = await post(h, {"prompt": "abc", "max_tokens": 2})
+            assert status == 200
+            assert h.prefill.bodies[0]["kv_transfer_params"] == {
+                "kvtier": {"phase": "prefill", "load": False}}
+            assert headers["X-KVTier-Restored-Tokens"] == "7"
+            assert headers["X-KVTier-Restore-Ms"] == "12.5"
+            assert float(headers["X-KVTier-Prefill-Ms"]) > 0
+    run(scenario)
+
+
 def test_chat_caps_max_completion_tokens_and_header_names_the_conversation() -> None:
     async def scenario() -> None:
         async with harness() as h:
