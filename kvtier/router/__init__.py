@@ -44,6 +44,7 @@ class RouterSettings:
     backend_cooldown: float = 5.0  # a backend that refused a connection is skipped this long
     max_body_bytes: int = 64 << 20
     dp_reuse: bool = True  # False: prefill never restores (the "D->P off" baseline)
+    collect: bool = True  # with tiers: each heartbeat removes objects past their lease
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
@@ -91,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip a backend this long after it refused a connection")
     p.add_argument("--no-dp-reuse", dest="dp_reuse", action="store_false",
                    help="prefill recomputes instead of loading stored KV (a baseline)")
+    p.add_argument("--no-collect", dest="collect", action="store_false",
+                   help="do not remove objects past their lease on each heartbeat (when "
+                        "`kvtier gc --expired` runs elsewhere)")
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
@@ -111,6 +115,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         connect_timeout=args.connect_timeout,
         backend_cooldown=args.backend_cooldown,
         dp_reuse=args.dp_reuse,
+        collect=args.collect,
     )
 
 

@@ -1,312 +1,86 @@
-"""The router's aiohttp application: P/D hand-off, streaming pass-through, leases, metrics.
+"""The router's aiohttp application: P/D hand-off, streaming pass-through, leases.
+
+The HTTP contract is in ``protocol``, backend choice and status mapping in ``backends``,
+the per-request record and Prometheus metrics in ``metrics``; this module holds the
+``Router`` that ties them together, the lease heartbeat, and ``build_app``.
 
 Invariants:
 
 * Per-request state lives in locals and one ``Turn`` record per request; the only shared
   mutable state is the ``ConversationMap``, the backend pools' health marks and the metrics.
   Concurrent requests of different conversations therefore never see each other's params.
-* A prefill call always has ``stream=False``, ``max_tokens=1`` and
-  ``kv_transfer_params={"kvtier": {"phase": "prefill"}}``; a decode call carries the
-  prefill's ``namespace``/``tokens``/``last_key`` as ``expect`` (or no ``expect`` if the
-  prefill server returned none). ``kv_transfer_params`` from clients are refused.
 * Streamed decode bytes are forwarded unchanged, chunk by chunk, as they arrive.
 * Nothing waits without a bound: every backend call has a connect timeout and a request
   timeout (whole call, or gap between streamed chunks), health probes have their own.
   Errors map to: refused/unreachable 502, backend 5xx 502 (with its message), timeout 504,
   no usable backend 503; a backend 4xx is passed through unchanged.
-* Behaviour over time (conversation TTL, backend cooldown) uses the injected ``Clock``;
-  the latencies reported in logs and metrics are measured with ``time.perf_counter``.
-* Blocking lease renewal runs in a worker thread (``asyncio.to_thread``), never on the loop.
+* Behaviour over time (conversation TTL, backend cooldown, leases) uses the injected
+  ``Clock``; the latencies reported in logs and metrics are measured with
+  ``time.perf_counter``.
+* Blocking lease work (renewal, collection) runs in a worker thread (``asyncio.to_thread``),
+  never on the loop.
+* One heartbeat (``beat_once``) renews the chain of every live conversation, then runs the
+  collector, if there is one, to remove objects past their lease. A failure is logged and
+  the heartbeat goes on; a heartbeat never stops the router.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.router import RouterSettings
+from kvtier.router.backends import BackendPool, Role, check_status
 from kvtier.router.conversations import ConversationMap
+from kvtier.router.metrics import RouterMetrics, Turn
+from kvtier.router.protocol import (
+    CONVERSATION_HEADER,
+    PATHS,
+    STATE_HEADER,
+    BackendRejected,
+    Endpoint,
+    ProxyRequest,
+    RouterError,
+    decode_body,
+    kvtier_params,
+    param_number,
+    parse_renew,
+    parse_request,
+    prefill_body,
+    read_body,
+)
 from kvtier.tiers.base import TierError
 
 log = logging.getLogger(__name__)
 
-Endpoint = Literal["completions", "chat"]
-Role = Literal["prefill", "decode"]
 ChainRenewer = Callable[[str], int]  # last_key_hex -> chunks renewed; blocking
-
-CONVERSATION_HEADER = "X-Conversation-Id"
-STATE_HEADER = "X-KVTier-Conversation"
-PATHS: Mapping[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-REQUIRED: Mapping[Endpoint, str] = {"completions": "prompt", "chat": "messages"}
-MAX_CONVERSATION_ID = 256
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class RouterError(Exception):
-    """An error the router answers itself, as an OpenAI-style JSON error."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-        return web.json_response(body, status=self.status)
-
-
-class BackendRejected(Exception):
-    """A backend answered 4xx: its status and body go back to the client unchanged."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"backend answered {status}")
-        self.status, self.body, self.content_type = status, body, content_type
-
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body, content_type=self.content_type)
-
-
-# -- request parsing ---------------------------------------------------------------------
+Collector = Callable[[], int]  # removes objects past their lease -> how many; blocking
 
 
 @dataclass(frozen=True)
-class ProxyRequest:
-    endpoint: Endpoint
-    body: dict[str, Any]  # as the client sent it, minus ``conversation_id``; never mutated
-    stream: bool
-    conversation_id: str | None
+class Beat:
+    """What one heartbeat did."""
 
-
-def _bad(message: str) -> RouterError:
-    return RouterError(400, message)
-
-
-def _check_conversation_id(value: object, source: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _bad(f"{source} must be a non-empty string, got {value!r}")
-    if len(value) > MAX_CONVERSATION_ID:
-        raise _bad(f"{source} must be at most {MAX_CONVERSATION_ID} characters")
-    return value
-
-
-def _check_token_limit(body: Mapping[str, Any], name: str) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"'{name}' must be a positive integer, got {value!r}")
-
-
-def parse_request(endpoint: Endpoint, raw: bytes, header_id: str | None) -> ProxyRequest:
-    """Validate a client body; raises ``RouterError(400)`` naming the offending field."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(f"request body is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise _bad(f"request body must be a JSON object, got {type(doc).__name__}")
-    body: dict[str, Any] = dict(doc)
-    if REQUIRED[endpoint] not in body:
-        raise _bad(f"'{REQUIRED[endpoint]}' is required for {PATHS[endpoint]}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad(f"'stream' must be true or false, got {stream!r}")
-    _check_token_limit(body, "max_tokens")
-    _check_token_limit(body, "max_completion_tokens")
-    if "kv_transfer_params" in body:
-        raise _bad("'kv_transfer_params' is set by the router; remove it from the request")
-    cid: str | None = None
-    if "conversation_id" in body:
-        cid = _check_conversation_id(body.pop("conversation_id"), "'conversation_id'")
-    elif header_id is not None:
-        cid = _check_conversation_id(header_id, f"header {CONVERSATION_HEADER}")
-    return ProxyRequest(endpoint, body, stream, cid)
-
-
-def prefill_body(req: ProxyRequest, *, reuse: bool = True) -> dict[str, Any]:
-    body = dict(req.body)
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("min_tokens", None)  # would exceed max_tokens=1 and be refused
-    body["max_tokens"] = 1
-    if req.endpoint == "chat" and "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    kvtier: dict[str, Any] = {"phase": "prefill"}
-    if not reuse:
-        kvtier["load"] = False
-    body["kv_transfer_params"] = {"kvtier": kvtier}
-    return body
-
-
-def decode_body(req: ProxyRequest, handoff: Mapping[str, Any] | None) -> dict[str, Any]:
-    kvtier: dict[str, Any] = {"phase": "decode"}
-    if handoff is not None:
-        kvtier["expect"] = {k: handoff.get(k) for k in ("namespace", "tokens", "last_key")}
-    return {**req.body, "kv_transfer_params": {"kvtier": kvtier}}
-
-
-def _prefill_headers(turn: Turn) -> dict[str, str]:
-    """What the prefill phase did, for clients and benchmarks (known before decode)."""
-    return {
-        "X-KVTier-Prefill-Ms": f"{(turn.prefill_s or 0.0) * 1e3:.1f}",
-        "X-KVTier-Restored-Tokens": str(turn.restored_tokens),
-        "X-KVTier-Restore-Ms": f"{turn.restore_ms:.1f}",
-    }
-
-
-def kvtier_params(doc: object) -> dict[str, Any] | None:
-    """``doc["kv_transfer_params"]["kvtier"]`` if it is there and a dict."""
-    ktp = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
-    params = ktp.get("kvtier") if isinstance(ktp, dict) else None
-    return params if isinstance(params, dict) else None
-
-
-def _number(params: Mapping[str, Any] | None, name: str) -> float:
-    value = params.get(name) if params is not None else None
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-
-# -- backends ------------------------------------------------------------------------------
-
-
-def stable_hash(text: str) -> int:
-    """The same on every router process (unlike ``hash``), so stickiness survives restarts."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-class BackendPool:
-    """The servers of one role. Picks round-robin, or by conversation hash (sticky); a
-    server that refused a connection is skipped for ``cooldown`` seconds."""
-
-    def __init__(self, role: Role, urls: tuple[str, ...], cooldown: float, clock: Clock) -> None:
-        self.role = role
-        self.urls = tuple(u.rstrip("/") for u in urls)
-        self._cooldown, self._clock = cooldown, clock
-        self._next = itertools.count()
-        self._down_until: dict[str, float] = {}
-
-    def candidates(self, conversation_id: str | None) -> list[str]:
-        """Healthy servers in the order to try them; ``RouterError(503)`` if there are none."""
-        if not self.urls:
-            raise RouterError(503, f"no {self.role} backend configured", "service_unavailable")
-        n = len(self.urls)
-        start = stable_hash(conversation_id) % n if conversation_id else next(self._next) % n
-        now = self._clock.monotonic()
-        order = self.urls[start:] + self.urls[:start]
-        healthy = [u for u in order if self._down_until.get(u, 0.0) <= now]
-        if not healthy:
-            raise RouterError(503, f"no healthy {self.role} backend (all refused connections "
-                              f"in the last {self._cooldown:g}s: {', '.join(self.urls)})",
-                              "service_unavailable")
-        return healthy
-
-    def mark_down(self, url: str) -> None:
-        self._down_until[url] = self._clock.monotonic() + self._cooldown
-
-    def mark_up(self, url: str) -> None:
-        self._down_until.pop(url, None)
-
-
-def _backend_message(body: bytes) -> str:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return body.decode(errors="replace")[:500]
-    err = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(err, dict) and "message" in err:
-        return str(err["message"])[:500]
-    if isinstance(doc, dict) and "message" in doc:
-        return str(doc["message"])[:500]
-    return body.decode(errors="replace")[:500]
-
-
-def check_status(role: Role, url: str, status: int, body: bytes, content_type: str) -> None:
-    """Raise for a non-2xx backend answer: 4xx passes through, anything else is a 502."""
-    if 200 <= status < 300:
-        return
-    if 400 <= status < 500:
-        raise BackendRejected(status, body, content_type)
-    raise RouterError(502, f"{role} backend {url} answered {status}: {_backend_message(body)}",
-                      "backend_error")
-
-
-@dataclass
-class Turn:
-    """What one request measured; filled in as it goes, logged once at the end."""
-
-    endpoint: Endpoint
-    started: float
-    conversation: str | None = None
-    prefill_s: float | None = None
-    restored_tokens: int = 0
-    restore_ms: float = 0.0
-    ttft_s: float | None = None
-    status: int = 0
-    stream_broken: bool = False
-
-
-class RouterMetrics:
-    """Prometheus metrics in a registry the router owns (several routers per process, as in
-    tests, never share counts; the process-global registry is left alone)."""
-
-    def __init__(self, conversations: Callable[[], int]) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvtier_router_requests_total", "Requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.prefill = Histogram("kvtier_router_prefill_seconds", "Wall time of the prefill call",
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvtier_router_ttft_seconds", "Request arrival to first decode byte",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_load = Histogram("kvtier_router_kv_load_seconds",
-                                 "KV restore time the prefill server reported",
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_tokens = Counter("kvtier_router_kv_load_tokens_total",
-                                 "Tokens whose KV prefill restored instead of computing",
-                                 registry=r)
-        self.renewed = Counter("kvtier_router_renewed_chunks_total", "Chunk leases renewed",
-                               registry=r)
-        gauge = Gauge("kvtier_router_conversations", "Tracked (unexpired) conversations",
-                      registry=r)
-        gauge.set_function(lambda: float(conversations()))
-
-    def observe(self, turn: Turn) -> None:
-        self.requests.labels(turn.endpoint, str(turn.status or "aborted")).inc()
-        if turn.prefill_s is not None:
-            self.prefill.observe(turn.prefill_s)
-        if turn.restored_tokens > 0:  # a load happened; turns without one would skew it to 0
-            self.kv_load.observe(turn.restore_ms / 1e3)
-            self.kv_tokens.inc(turn.restored_tokens)
-        if turn.ttft_s is not None:
-            self.ttft.observe(turn.ttft_s)
-
-    def render(self) -> web.Response:
-        return web.Response(body=generate_latest(self.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+    renewed: int  # chunks whose lease was renewed
+    expired: int  # objects the collector removed
 
 
 class Router:
     """The request handlers and the state they share (see the module invariants)."""
 
-    def __init__(self, settings: RouterSettings, clock: Clock, renewer: ChainRenewer | None):
+    def __init__(self, settings: RouterSettings, clock: Clock, renewer: ChainRenewer | None,
+                 collector: Collector | None = None) -> None:
         self.settings = settings
         self.conversations = ConversationMap(settings.ttl_seconds, clock.monotonic)
         cooldown = settings.backend_cooldown
@@ -316,6 +90,7 @@ class Router:
         }
         self.metrics = RouterMetrics(lambda: len(self.conversations))
         self.renewer = renewer
+        self.collector = collector
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -391,13 +166,13 @@ class Router:
         _, _, doc = await self._call_json("prefill", req, body)
         turn.prefill_s = time.perf_counter() - t0
         handoff = kvtier_params(doc)
-        turn.restored_tokens = int(_number(handoff, "restored_tokens"))
-        turn.restore_ms = _number(handoff, "restore_ms")
+        turn.restored_tokens = int(param_number(handoff, "restored_tokens"))
+        turn.restore_ms = param_number(handoff, "restore_ms")
         return handoff
 
     async def decode(self, request: web.Request, req: ProxyRequest,
                      handoff: dict[str, Any] | None, turn: Turn) -> web.StreamResponse:
-        headers = self._state_headers(req.conversation_id) | _prefill_headers(turn)
+        headers = self._state_headers(req.conversation_id) | turn.prefill_headers()
         body = decode_body(req, handoff)
         if req.stream:
             return await self._decode_stream(request, req, body, handoff, headers, turn)
@@ -476,7 +251,7 @@ class Router:
     async def _serve(self, request: web.Request, endpoint: Endpoint,
                      turn: Turn) -> web.StreamResponse:
         try:
-            req = parse_request(endpoint, await _read_body(request),
+            req = parse_request(endpoint, await read_body(request),
                                 request.headers.get(CONVERSATION_HEADER))
             turn.conversation = req.conversation_id
             handoff = await self.prefill(req, turn)
@@ -490,7 +265,6 @@ class Router:
                  "ttft_ms=%s status=%s%s", turn.conversation or "-", turn.endpoint,
                  _ms(turn.prefill_s), turn.restored_tokens, turn.restore_ms, _ms(turn.ttft_s),
                  turn.status or "aborted", " stream_broken" if turn.stream_broken else "")
-
 
     async def health(self, _request: web.Request) -> web.Response:
         urls = {role: list(pool.urls) for role, pool in self.pools.items()}
@@ -527,7 +301,7 @@ class Router:
         """``POST /v1/kvtier/renew {"conversation_id": ...}``: renew that chain's leases now
         and restart its TTL."""
         try:
-            cid = _parse_renew(await _read_body(request))
+            cid = parse_renew(await read_body(request))
             state = self.conversations.get(cid)
             if state is None:
                 raise RouterError(404, f"conversation {cid!r} is unknown or expired",
@@ -568,8 +342,28 @@ class Router:
                     break
         return total
 
+    async def collect(self) -> int:
+        """Run the collector once; returns objects removed (0 without one, or on failure,
+        which is logged: the heartbeat must go on)."""
+        if self.collector is None:
+            return 0
+        try:
+            removed = await asyncio.to_thread(self.collector)
+        except (TierError, OSError, ImportError) as e:
+            log.warning("lease collector failed; retrying next heartbeat: %s", e)
+            return 0
+        self.metrics.expired.inc(removed)
+        return removed
+
+    async def beat_once(self) -> Beat:
+        """One heartbeat: renew every live conversation's chain, then collect what is past
+        its lease."""
+        renewed = await self.renew_all() if self.renewer is not None else 0
+        return Beat(renewed, await self.collect())
+
     async def heartbeat(self, _app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self._beat()) if self.renewer is not None else None
+        beating = self.renewer is not None or self.collector is not None
+        task = asyncio.create_task(self._beat()) if beating else None
         yield
         if task is not None:
             task.cancel()
@@ -579,27 +373,21 @@ class Router:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
-                log.debug("lease heartbeat renewed %d chunks", await self.renew_all())
+                beat = await self.beat_once()
             except Exception:  # the heartbeat must outlive any one failure
                 log.exception("lease heartbeat failed; retrying next period")
+                continue
+            log.debug("lease heartbeat renewed %d chunks, expired %d objects",
+                      beat.renewed, beat.expired)
 
 
 ROUTER_KEY = web.AppKey("kvtier_router", Router)
 
 
-def _parse_renew(raw: bytes) -> str:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(f"request body is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or "conversation_id" not in doc:
-        raise _bad('body must be {"conversation_id": "..."}')
-    return _check_conversation_id(doc["conversation_id"], "'conversation_id'")
-
-
 class TierRenewer:
-    """Renews lease chains on the shared tiers of a kvtier config (blocking; call it from a
-    worker thread). ``kvtier.lease`` is imported on first use."""
+    """Renews lease chains on, and collects expired objects from, the shared tiers of a
+    kvtier config (blocking; call it from a worker thread). ``kvtier.lease`` is imported on
+    first use."""
 
     def __init__(self, config: Path, clock: Clock) -> None:
         from kvtier.build import build_lower_tiers
@@ -613,19 +401,30 @@ class TierRenewer:
         renewed: int = renew_chain(self.tiers, last_key_hex)
         return renewed
 
+    def expire(self, lease_seconds: float) -> int:
+        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
+        from kvtier.lease import expire_all
+
+        removed: int = expire_all(self.tiers, lease_seconds)
+        return removed
+
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
 
 
 def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
-              renewer: ChainRenewer | None = None) -> web.Application:
-    """The router as an aiohttp application. ``renewer`` replaces the lease renewal that
-    ``settings.tiers`` would set up (tests pass a fake); with neither, renewal is off."""
+              renewer: ChainRenewer | None = None,
+              collector: Collector | None = None) -> web.Application:
+    """The router as an aiohttp application. ``renewer`` and ``collector`` replace the lease
+    renewal and collection that ``settings.tiers`` would set up (tests pass fakes); without
+    either, that part is off. ``settings.collect=False`` turns the tiers' collector off."""
     owned: TierRenewer | None = None
     if renewer is None and settings.tiers is not None:
         renewer = owned = TierRenewer(settings.tiers, clock)
-    router = Router(settings, clock, renewer)
+        if collector is None and settings.collect:
+            collector = functools.partial(owned.expire, settings.lease_seconds)
+    router = Router(settings, clock, renewer, collector)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[ROUTER_KEY] = router
     app.cleanup_ctx.extend([router.client_session, router.heartbeat])
@@ -641,10 +440,3 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise RouterError(413, f"request body too large: {e.text}") from None

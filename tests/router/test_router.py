@@ -8,10 +8,12 @@ never sleeps.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,8 +25,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvtier.clock import ManualClock
-from kvtier.router import RouterSettings
-from kvtier.router.app import ROUTER_KEY, build_app
+from kvtier.keys import ChunkKey
+from kvtier.router import RouterSettings, add_arguments, settings_from_args
+from kvtier.router.app import ROUTER_KEY, Beat, Collector, build_app
 from kvtier.tiers.file import FileTier
 from tests.tiers.harness import make_key, meta_for, payload_for
 
@@ -116,6 +119,7 @@ class Harness:
 @asynccontextmanager
 async def harness(prefill: Backend | None = None, decode: Backend | None = None,
                   decode_urls: tuple[str, ...] | None = None, real_tiers: bool = False,
+                  collector: Collector | None = None,
                   **settings: Any) -> AsyncIterator[Harness]:
     prefill, decode = prefill or Backend(), decode or Backend()
     servers = [TestServer(prefill.app()), TestServer(decode.app())]
@@ -129,7 +133,8 @@ async def harness(prefill: Backend | None = None, decode: Backend | None = None,
 
     cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
                          decode=decode_urls or (str(servers[1].make_url("")),), **settings)
-    app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer)
+    app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer,
+                    collector=collector)
     client = TestClient(TestServer(app))
     await client.start_server()
     try:
@@ -347,18 +352,26 @@ def test_heartbeat_renews_every_live_conversation() -> None:
     run(scenario)
 
 
-def test_renew_through_the_tiers_of_a_kvtier_config(tmp_path: Path) -> None:
-    pytest.importorskip("kvtier.lease")
+def file_tier_config(tmp_path: Path, keys: list[ChunkKey], *,
+                     chained: bool = True) -> tuple[Path, dict[ChunkKey, Path]]:
+    """A kvtier config whose file tier holds ``keys`` (one chain, or unrelated objects);
+    returns the config and each object's file."""
     store = tmp_path / "store"
     config = tmp_path / "kvtier.yaml"
     config.write_text(f"tiers:\n  - host: {{capacity: 64MiB}}\n"
                       f"  - file: {{path: {store}, capacity: 1GiB}}\n")
     tier = FileTier(store, 1 << 30)
-    keys = [make_key(i) for i in range(3)]
     for i, key in enumerate(keys):
-        meta = dataclasses.replace(meta_for(key), parent=keys[i - 1] if i else None)
-        tier.put(meta, payload_for(key).data)
+        parent = keys[i - 1] if chained and i else None
+        tier.put(dataclasses.replace(meta_for(key), parent=parent), payload_for(key).data)
     tier.close()
+    return config, {key: tier.path_of(key) for key in keys}
+
+
+def test_renew_through_the_tiers_of_a_kvtier_config(tmp_path: Path) -> None:
+    pytest.importorskip("kvtier.lease")
+    keys = [make_key(i) for i in range(3)]
+    config, _ = file_tier_config(tmp_path, keys)
 
     async def scenario() -> None:
         prefill = Backend(last_key=keys[-1].hex())
@@ -367,6 +380,57 @@ def test_renew_through_the_tiers_of_a_kvtier_config(tmp_path: Path) -> None:
             status, doc, _ = await post(h, {"conversation_id": "c"}, "/v1/kvtier/renew")
             assert (status, doc) == (200, {"renewed_chunks": 3})
     run(scenario)
+
+
+def test_heartbeat_renews_live_chains_then_collects_only_objects_past_the_lease(
+        tmp_path: Path) -> None:
+    pytest.importorskip("kvtier.lease")
+    live, old, fresh = (make_key(i) for i in range(3))
+    config, paths = file_tier_config(tmp_path, [live, old, fresh], chained=False)
+
+    async def scenario() -> None:
+        prefill = Backend(last_key=live.hex())
+        async with harness(prefill=prefill, real_tiers=True, tiers=config,
+                           lease_seconds=100.0) as h:
+            assert (await stream_text(h, "x", "c"))[0] == 200  # "c" ends at ``live``
+            now = h.clock.wall()
+            for key, mtime in ((live, now - 101.0), (old, now - 101.0), (fresh, now - 99.0)):
+                os.utime(paths[key], (mtime, mtime))
+            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=1, expired=1)
+            assert not paths[old].exists()
+            assert paths[live].exists() and paths[fresh].exists()
+            async with h.client.get("/metrics") as resp:
+                assert "kvtier_router_expired_objects_total 1.0" in await resp.text()
+    run(scenario)
+
+
+def test_no_collect_leaves_objects_past_the_lease(tmp_path: Path) -> None:
+    pytest.importorskip("kvtier.lease")
+    old = make_key(0)
+    config, paths = file_tier_config(tmp_path, [old])
+
+    async def scenario() -> None:
+        async with harness(real_tiers=True, tiers=config, lease_seconds=100.0,
+                           collect=False) as h:
+            then = h.clock.wall() - 1000.0
+            os.utime(paths[old], (then, then))
+            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=0, expired=0)
+            assert paths[old].exists()
+    run(scenario)
+
+
+def test_a_failing_collector_is_logged_and_the_heartbeat_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def collector() -> int:
+        raise OSError("store unmounted")
+
+    async def scenario() -> None:
+        async with harness(collector=collector) as h:
+            await post(h, {"prompt": "a", "conversation_id": "c"})
+            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=3, expired=0)
+            assert len(h.renewed) == 1
+    run(scenario)
+    assert "lease collector failed" in caplog.text and "store unmounted" in caplog.text
 
 
 def test_renew_without_tiers_is_501() -> None:
@@ -481,3 +545,11 @@ def test_cli_rejects_bad_router_flags(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--prefill 'ftp://x'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["router", "--prefill", "http://x"])  # --decode is required
+
+
+def test_no_collect_flag_turns_the_collector_off() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    urls = ["--prefill", "http://p", "--decode", "http://d"]
+    assert settings_from_args(parser.parse_args(urls)).collect is True
+    assert settings_from_args(parser.parse_args([*urls, "--no-collect"])).collect is False

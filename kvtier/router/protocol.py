@@ -1,0 +1,167 @@
+"""The router's HTTP contract: what clients may send, what backends are sent, error answers.
+
+Invariants:
+
+* Parsing never mutates what the client sent: ``ProxyRequest.body`` is the client's JSON
+  object minus ``conversation_id``; ``prefill_body``/``decode_body`` build new dicts.
+* A prefill call always has ``stream=False``, ``max_tokens=1`` and
+  ``kv_transfer_params={"kvtier": {"phase": "prefill"}}``; a decode call carries the
+  prefill's ``namespace``/``tokens``/``last_key`` as ``expect`` (or no ``expect`` if the
+  prefill server returned none). ``kv_transfer_params`` from clients are refused.
+* Every client error is a ``RouterError(400)`` (413 for an oversized body) whose message
+  names the offending field; the router answers it as an OpenAI-style JSON error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+Endpoint = Literal["completions", "chat"]
+
+CONVERSATION_HEADER = "X-Conversation-Id"
+STATE_HEADER = "X-KVTier-Conversation"
+PATHS: Mapping[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+REQUIRED: Mapping[Endpoint, str] = {"completions": "prompt", "chat": "messages"}
+MAX_CONVERSATION_ID = 256
+
+
+class RouterError(Exception):
+    """An error the router answers itself, as an OpenAI-style JSON error."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+        return web.json_response(body, status=self.status)
+
+
+class BackendRejected(Exception):
+    """A backend answered 4xx: its status and body go back to the client unchanged."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"backend answered {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body, content_type=self.content_type)
+
+
+# -- request parsing ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]  # as the client sent it, minus ``conversation_id``; never mutated
+    stream: bool
+    conversation_id: str | None
+
+
+def _bad(message: str) -> RouterError:
+    return RouterError(400, message)
+
+
+def _check_conversation_id(value: object, source: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(f"{source} must be a non-empty string, got {value!r}")
+    if len(value) > MAX_CONVERSATION_ID:
+        raise _bad(f"{source} must be at most {MAX_CONVERSATION_ID} characters")
+    return value
+
+
+def _check_token_limit(body: Mapping[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"'{name}' must be a positive integer, got {value!r}")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw request body; ``RouterError(413)`` if it exceeds the app's size limit."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise RouterError(413, f"request body too large: {e.text}") from None
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, header_id: str | None) -> ProxyRequest:
+    """Validate a client body; raises ``RouterError(400)`` naming the offending field."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise _bad(f"request body must be a JSON object, got {type(doc).__name__}")
+    body: dict[str, Any] = dict(doc)
+    if REQUIRED[endpoint] not in body:
+        raise _bad(f"'{REQUIRED[endpoint]}' is required for {PATHS[endpoint]}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"'stream' must be true or false, got {stream!r}")
+    _check_token_limit(body, "max_tokens")
+    _check_token_limit(body, "max_completion_tokens")
+    if "kv_transfer_params" in body:
+        raise _bad("'kv_transfer_params' is set by the router; remove it from the request")
+    cid: str | None = None
+    if "conversation_id" in body:
+        cid = _check_conversation_id(body.pop("conversation_id"), "'conversation_id'")
+    elif header_id is not None:
+        cid = _check_conversation_id(header_id, f"header {CONVERSATION_HEADER}")
+    return ProxyRequest(endpoint, body, stream, cid)
+
+
+def parse_renew(raw: bytes) -> str:
+    """The conversation id of a ``POST /v1/kvtier/renew`` body; ``RouterError(400)`` if bad."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or "conversation_id" not in doc:
+        raise _bad('body must be {"conversation_id": "..."}')
+    return _check_conversation_id(doc["conversation_id"], "'conversation_id'")
+
+
+# -- backend bodies and answers ------------------------------------------------------------
+
+
+def prefill_body(req: ProxyRequest, *, reuse: bool = True) -> dict[str, Any]:
+    body = dict(req.body)
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)  # would exceed max_tokens=1 and be refused
+    body["max_tokens"] = 1
+    if req.endpoint == "chat" and "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    kvtier: dict[str, Any] = {"phase": "prefill"}
+    if not reuse:
+        kvtier["load"] = False
+    body["kv_transfer_params"] = {"kvtier": kvtier}
+    return body
+
+
+def decode_body(req: ProxyRequest, handoff: Mapping[str, Any] | None) -> dict[str, Any]:
+    kvtier: dict[str, Any] = {"phase": "decode"}
+    if handoff is not None:
+        kvtier["expect"] = {k: handoff.get(k) for k in ("namespace", "tokens", "last_key")}
+    return {**req.body, "kv_transfer_params": {"kvtier": kvtier}}
+
+
+def kvtier_params(doc: object) -> dict[str, Any] | None:
+    """``doc["kv_transfer_params"]["kvtier"]`` if it is there and a dict."""
+    ktp = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+    params = ktp.get("kvtier") if isinstance(ktp, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+def param_number(params: Mapping[str, Any] | None, name: str) -> float:
+    """``params[name]`` if it is a number (not a bool), else 0."""
+    value = params.get(name) if params is not None else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
