@@ -104,10 +104,11 @@ def chunk_keys(
     if (start_chunk == 0) != (parent is None):
         raise ValueError("parent must be given exactly when start_chunk > 0")
     prev = ns_digest if parent is None else bytes(parent)
-    encoded = encode_tokens(tokens)
+    end = len(tokens) // chunk_tokens * chunk_tokens
+    encoded = encode_tokens(tokens[start_chunk * chunk_tokens : end])  # only what is hashed
     step = chunk_tokens * 4
     keys: list[ChunkKey] = []
-    for i in range(start_chunk, len(encoded) // step):
+    for i in range(len(encoded) // step):
         prev = _h(prev, encoded[i * step : (i + 1) * step], extra)
         keys.append(ChunkKey(prev))
     return keys

@@ -122,6 +122,8 @@ class SchedulerSide:
         self._pins_by_step: dict[int, list[Pinned]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
+        self._key_cache: dict[str, list[ChunkKey]] = {}  # req -> keys of its full chunks
+        self._digests: dict[str | None, bytes] = {}  # cache_salt -> namespace digest
         self._step = 0
         self.role = role
         self.wait_s = cfg.restore.wait_seconds
@@ -138,9 +140,24 @@ class SchedulerSide:
 
     # -- helpers -------------------------------------------------------------------------
     def _keys(self, request: Any, num_tokens: int) -> tuple[bytes, list[ChunkKey]]:
-        ns = self.ns.digest(getattr(request, "cache_salt", None))
-        tokens = list(request.all_token_ids[:num_tokens])
-        return ns, chunk_keys(ns, tokens, self.ct)
+        """Keys of the full chunks of the request's first ``num_tokens`` tokens.
+
+        Cached per request and extended incrementally (a request's tokens are only ever
+        appended to), because vLLM asks again every step while a request waits.
+        """
+        salt = getattr(request, "cache_salt", None)
+        ns = self._digests.get(salt)
+        if ns is None:
+            ns = self._digests[salt] = self.ns.digest(salt)
+        n = num_tokens // self.ct
+        have = self._key_cache.get(request.request_id, [])
+        if len(have) < n:
+            tokens = request.all_token_ids[: n * self.ct]
+            have = have + chunk_keys(
+                ns, tokens, self.ct, start_chunk=len(have), parent=have[-1] if have else None
+            )
+            self._key_cache[request.request_id] = have
+        return ns, have[:n]
 
     def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
         return ChunkMeta(
@@ -287,6 +304,7 @@ class SchedulerSide:
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
         ns, keys = self._keys(request, n_chunks * self.ct)
+        self._key_cache.pop(rid, None)
         wanted = n_chunks and _request_params(request).get("save") is not False
         saved = self._save(rid, ns, keys, block_ids) if wanted else 0
         params = {

@@ -194,6 +194,37 @@ def test_fewer_reusable_tokens_than_the_threshold_recompute(pd: PD) -> None:
     assert _kvtier(r)["restored_tokens"] == 0
 
 
+def test_a_changed_history_reuses_exactly_the_matching_prefix(pd: PD) -> None:
+    prompt = _tokens(600, seed=10)
+    r = pd.turn("t5", prompt, 48)
+    params = _kvtier(r)
+    pd.wait_stored(params["last_key"])
+    # The client rewrites the history (e.g. strips a reasoning trace) from token 300 on.
+    edited = prompt[:300] + _tokens(400, seed=11)
+    ref = pd.reference(edited, 8)
+    before = pd.prefill_tokens()
+    r = pd.turn("t5", edited, 8)
+    loaded = pd.prefill_tokens()["external_kv_transfer"] - before["external_kv_transfer"]
+    assert r.json()["choices"][0]["token_ids"] == ref["token_ids"]
+    assert loaded == 256  # chunks 0-1 match; chunk 2 holds the first edited token
+
+
+def test_chat_completions_through_the_router(pd: PD) -> None:
+    messages = [{"role": "user", "content": "tell me about tiered caches " * 40}]
+    body: dict[str, Any] = {"model": "model", "messages": messages, "max_tokens": 12,
+                            "temperature": 0, "ignore_eos": True}
+    ref = pd.client.post(pd.prefill.url + "/v1/chat/completions",
+                         json={**body, "kv_transfer_params": REFERENCE})
+    assert ref.status_code == 200, ref.text
+    for turn in range(2):
+        r = pd.client.post(pd.router_url + "/v1/chat/completions",
+                           json={**body, "conversation_id": "chat"})
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["message"]["content"]
+        assert answer == ref.json()["choices"][0]["message"]["content"], f"turn {turn}"
+        assert r.headers["X-KVTier-Conversation"] == ("new" if turn == 0 else "known")
+
+
 def test_streaming_through_the_router(pd: PD) -> None:
     prompt = _tokens(400, seed=4)
     ref = pd.reference(prompt, 16)
