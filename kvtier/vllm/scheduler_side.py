@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.build import build_store
+from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig, RestoreConfig
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
@@ -104,6 +105,7 @@ class SchedulerSide:
         *,
         store: TieredStore | None = None,
         role: str = "both",
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.cfg = cfg
         self.geom = geometry
@@ -126,6 +128,7 @@ class SchedulerSide:
         self._digests: dict[str | None, bytes] = {}  # cache_salt -> namespace digest
         self._step = 0
         self.role = role
+        self.clock = clock  # the decode wait deadline; latencies use perf_counter
         self.wait_s = cfg.restore.wait_seconds
         self.lease_s = cfg.retention.lease_seconds
 
@@ -201,7 +204,8 @@ class SchedulerSide:
             announced = self._announced(request, keys, len(wanted))
             if announced > first + hit.hits and self._keep_waiting(rid):
                 return None, False
-            t0 = self._waiting.pop(rid, time.perf_counter())
+            waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
+            t0 = time.perf_counter() - waited
             tokens = min((first + hit.hits) * self.ct, limit)
             if hit.hits == 0 or tokens - num_computed < self.threshold:
                 return 0, False
@@ -245,7 +249,7 @@ class SchedulerSide:
         return min(n, usable)
 
     def _keep_waiting(self, rid: str) -> bool:
-        now = time.perf_counter()
+        now = self.clock.monotonic()
         t0 = self._waiting.setdefault(rid, now)
         if now - t0 < self.wait_s:
             return True

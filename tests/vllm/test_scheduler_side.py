@@ -1,0 +1,107 @@
+"""The scheduler side's P/D decisions, without an engine: what a decode node waits for.
+
+A request here is a plain record with the attributes of vLLM's ``Request`` that the
+scheduler side reads. The store is real (host pool + a shared file tier); the "prefill
+node" writes into the same directory through its own ``FileTier``. Time is a ManualClock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.build import build_store
+from kvtier.clock import ManualClock
+from kvtier.config import KVTierConfig
+from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.tiers.file import FileTier
+from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.scheduler_side import SchedulerSide
+
+CT = 128
+WAIT = 5.0
+GEOM = Geometry(2, 2, 64, CT, 4096, "float32")
+NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
+               num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=CT, block_size=CT)
+TOKENS = list(range(1, 4 * CT + 40))  # 4 full chunks and a partial one
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[SchedulerSide, FileTier, ManualClock]]:
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT,
+        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through"}}],
+        "restore": {"recompute_threshold_tokens": 64, "wait_seconds": WAIT},
+    })
+    clock = ManualClock()
+    slot = GEOM.chunk_bytes(CT)
+    sched = SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, slot), role="decode",
+                          clock=clock)
+    prefill_node = FileTier(tmp_path, 1 << 30)
+    yield sched, prefill_node, clock
+    sched.close()
+
+
+def _request(rid: str, expect: dict[str, Any] | None = None, **kvtier: Any) -> SimpleNamespace:
+    params = {"kvtier": {**kvtier, **({"expect": expect} if expect else {})}}
+    return SimpleNamespace(request_id=rid, num_tokens=len(TOKENS), all_token_ids=TOKENS,
+                           kv_transfer_params=params, cache_salt=None)
+
+
+def _keys() -> list[ChunkKey]:
+    return chunk_keys(NS.digest(), TOKENS, CT)
+
+
+def _prefill_writes(sched: SchedulerSide, tier: FileTier, n: int) -> None:
+    keys = _keys()
+    for c in range(n):
+        tier.put(sched._meta(NS.digest(), keys, c), memoryview(np.zeros(sched.slot_bytes,
+                                                                         np.uint8)))
+
+
+def _ask(sched: SchedulerSide, req: SimpleNamespace) -> int | None:
+    """One scheduler step's question; waits for staging that already started."""
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    lk = sched._lookups.get(req.request_id)
+    if n is None and lk is not None and lk.future is not None:
+        lk.future.result()  # staging runs on IO threads; let it finish, then ask again
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+    return n
+
+
+def test_decode_waits_for_announced_chunks_then_loads_them(env: Any) -> None:
+    sched, prefill_node, _ = env
+    req = _request("r1", {"tokens": 4 * CT, "last_key": _keys()[3].hex()})
+    assert _ask(sched, req) is None  # nothing visible yet: ask again
+    _prefill_writes(sched, prefill_node, 2)
+    assert _ask(sched, req) is None  # half of it: still waiting
+    _prefill_writes(sched, prefill_node, 4)
+    assert _ask(sched, req) == 4 * CT
+
+
+def test_decode_stops_waiting_at_the_deadline_and_takes_what_is_there(env: Any) -> None:
+    sched, prefill_node, clock = env
+    req = _request("r2", {"tokens": 4 * CT, "last_key": _keys()[3].hex()})
+    _prefill_writes(sched, prefill_node, 2)
+    assert _ask(sched, req) is None
+    clock.advance(WAIT + 1)
+    assert _ask(sched, req) == 2 * CT
+
+
+def test_an_announcement_for_another_prompt_is_not_waited_for(env: Any) -> None:
+    sched, _, _ = env
+    req = _request("r3", {"tokens": 4 * CT, "last_key": "ab" * 16})
+    assert _ask(sched, req) == 0
+
+
+def test_load_false_never_restores(env: Any) -> None:
+    sched, prefill_node, _ = env
+    _prefill_writes(sched, prefill_node, 4)
+    assert _ask(sched, _request("r4", load=False)) == 0
+    assert _ask(sched, _request("r5")) == 4 * CT
