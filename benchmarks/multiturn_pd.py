@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
 from kvtier.testing.models import build_bench_llama, build_tiny_llama
-from kvtier.testing.servers import APIServer, free_port
+from kvtier.testing.servers import APIServer, router_process
+from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("dp_on", "dp_off")
@@ -129,52 +127,14 @@ def tier_config(path: Path, shared: Path) -> Path:
     return path
 
 
-def connector(config: Path, role: str) -> dict[str, Any]:
-    """``--kv-transfer-config`` for one server of the pair."""
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config": str(config), "role": role},
-    }
-
-
 @contextmanager
 def router(tmp: Path, name: str, prefill: str, decode: str, tiers: Path, *,
            dp_reuse: bool, timeout_s: float) -> Iterator[str]:
     """Run ``python -m kvtier router`` until the block exits; yields its URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier", "router", "--prefill", prefill, "--decode", decode,
-           "--port", str(port), "--tiers", str(tiers), "--request-timeout", str(timeout_s)]
-    if not dp_reuse:
-        cmd.append("--no-dp-reuse")
-    log_path = tmp / f"{name}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"router {name} exited:\n{log_path.read_text()[-3000:]}")
-                try:
-                    httpx.get(url + "/metrics", timeout=1.0)
-                    break
-                except httpx.HTTPError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"router {name} did not answer /metrics") from None
-                    time.sleep(0.2)  # polling a subprocess
-            yield url
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    args = ["--tiers", str(tiers), "--request-timeout", str(timeout_s)]
+    with router_process(tmp, prefill, decode, name=name,
+                        args=args + ([] if dp_reuse else ["--no-dp-reuse"])) as url:
+        yield url
 
 
 def count_objects(shared: Path) -> int:
@@ -450,10 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "kv_cache_gib": 1}
         prefill = stack.enter_context(APIServer(
             tmp, name="prefill", prefix_caching=False,
-            kv_transfer_config=connector(cfg, "prefill"), **common))
+            kv_transfer_config=kv_transfer_config(cfg, role="prefill"), **common))
         decode = stack.enter_context(APIServer(
             tmp, name="decode", prefix_caching=True,
-            kv_transfer_config=connector(cfg, "decode"), **common))
+            kv_transfer_config=kv_transfer_config(cfg, role="decode"), **common))
         urls = {m: stack.enter_context(router(tmp, f"router-{m}", prefill.url, decode.url, cfg,
                                               dp_reuse=(m == "dp_on"),
                                               timeout_s=args.request_timeout))

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.machine import describe
 from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
 from kvtier.testing.models import build_bench_llama, build_tiny_llama
+from kvtier.vllm.settings import kv_transfer_config
 
 PATHS = ("cold", "vllm_hit", "host", "file", "s3")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -176,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = stack.enter_context(LLMWorker(
             work / "engine", model=str(model), max_model_len=max(lengths) + 64,
             enable_prefix_caching=True, kv_cache_gib=2,
-            kv_transfer_config={"kv_connector": "KVTierConnector",
-                                "kv_connector_module_path": "kvtier.vllm",
-                                "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"config": str(cfg)}}))
+            kv_transfer_config=kv_transfer_config(cfg)))
         print(f"engine up in {engine.startup_s:.0f} s", flush=True)
         engine.generate([tokens(300, seed=1)], max_tokens=1)  # warm-up, not measured
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])

@@ -16,6 +16,7 @@ import pytest
 from benchmarks import agents
 from kvtier.testing.models import build_tiny_llama
 from kvtier.testing.servers import APIServer
+from kvtier.vllm.settings import kv_transfer_config
 
 SMOKE = ["--preset", "cpu", "--agents", "2", "--turns", "3", "--arrival-s", "0.5",
          "--think-mean", "0.3", "--think-sd", "0.1", "--docs", "2", "--doc-tokens", "100,150",
@@ -52,7 +53,7 @@ def kvtier_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[APIServe
     model = build_tiny_llama(tmp / "m", dtype="float32")
     cfg = agents.tier_config(tmp / "kvtier.yaml", tmp / "store", "64MiB")
     srv = APIServer(tmp, model=model, name="agents", dtype="float32", max_model_len=1024,
-                    kv_transfer_config=agents.kvtier_connector(cfg), num_gpu_blocks_override=16)
+                    kv_transfer_config=kv_transfer_config(cfg), num_gpu_blocks_override=16)
     with srv:
         yield srv
 

@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -150,3 +151,48 @@ class APIServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def router_process(
+    tmp: str | os.PathLike[str],
+    prefill: str,
+    decode: str,
+    *,
+    name: str = "router",
+    args: Sequence[str] = (),
+    startup_timeout_s: float = 60.0,
+) -> Iterator[str]:
+    """Run ``python -m kvtier router`` (extra flags in ``args``) until the block exits.
+
+    Yields its URL once ``/metrics`` answers; raises with the router's log if it exits.
+    """
+    port = free_port()
+    log_path = Path(tmp) / f"{name}.log"
+    cmd = [sys.executable, "-m", "kvtier", "router", "--prefill", prefill, "--decode", decode,
+           "--port", str(port), *args]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited:\n{log_path.read_text()[-3000:]}")
+                try:
+                    httpx.get(url + "/metrics", timeout=1.0)
+                    break
+                except httpx.HTTPError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name} did not answer /metrics") from None
+                    time.sleep(0.2)  # polling a subprocess
+            yield url
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from os import PathLike
 from typing import Any
 
 from kvtier.config import ConfigError, KVTierConfig, load_config
@@ -27,6 +28,26 @@ class ConnectorSettings:
     config: KVTierConfig
     model_fingerprint: str | None
     role: str = "both"
+
+
+def kv_transfer_config(
+    config: str | PathLike[str], *, role: str = "both", **extra: Any
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for kvtier with the YAML at ``config``.
+
+    ``--kv-transfer-config`` takes its JSON. ``extra`` adds ``kv_connector_extra_config``
+    keys (``overrides``, ``model_fingerprint``).
+    """
+    more: dict[str, Any] = {"config": str(config), **extra}
+    if role != "both":
+        more["role"] = role
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # vLLM's default, "fail", aborts the request
+        "kv_connector_extra_config": more,
+    }
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.testing.engines import LLMWorker
 from kvtier.testing.models import build_tiny_llama
+from kvtier.vllm.settings import kv_transfer_config
 
 #: Blocks of 128 tokens: room for about two conversations of ~1.5K tokens.
 SMALL_KV_BLOCKS = 26
@@ -43,18 +44,10 @@ def write_config(path: Path, tiers: list[dict[str, Any]], **top: Any) -> Path:
     return path
 
 
-def connector(config: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"config": str(config), **extra},
-    }
-
-
 def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
     kw.setdefault("max_model_len", MAX_MODEL_LEN)
-    return LLMWorker(tmp, model=str(model), kv_transfer_config=connector(config), **kw).start()
+    kvt = kv_transfer_config(config)
+    return LLMWorker(tmp, model=str(model), kv_transfer_config=kvt, **kw).start()
 
 
 @pytest.fixture(scope="module")

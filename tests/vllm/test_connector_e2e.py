@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier.testing.engines import CompletionResult, LLMWorker, WorkerError, tokens
+from kvtier.vllm.settings import kv_transfer_config
 from tests.tiers.s3_harness import BUCKET, shared_endpoint
 from tests.vllm.conftest import SMALL_KV_BLOCKS, write_config
 
@@ -188,15 +189,8 @@ def test_bad_config_fails_at_engine_start(tiny_fp32: Path) -> None:
         tmp = Path(short)
         cfg = write_config(tmp / "ok.yaml", [])
         w = LLMWorker(tmp / "eng", model=str(tiny_fp32), max_model_len=2048,
-                      kv_transfer_config={
-                          "kv_connector": "KVTierConnector",
-                          "kv_connector_module_path": "kvtier.vllm",
-                          "kv_role": "kv_both",
-                          "kv_connector_extra_config": {
-                              "config": str(cfg),
-                              "overrides": {"tiers.0.host.capacity": "lots"},
-                          },
-                      })
+                      kv_transfer_config=kv_transfer_config(
+                          cfg, overrides={"tiers.0.host.capacity": "lots"}))
         with pytest.raises(WorkerError) as e:
             w.start()
         assert "tiers[0].host.capacity" in str(e.value) + w.log_path.read_text()

@@ -17,9 +17,6 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,8 +28,9 @@ import httpx
 import pytest
 
 from kvtier.clock import ManualClock
-from kvtier.testing.servers import APIServer, free_port
+from kvtier.testing.servers import APIServer, router_process
 from kvtier.tiers.file import FileTier
+from kvtier.vllm.settings import kv_transfer_config
 
 CT = 128  # chunk tokens = vLLM's CPU block size
 THRESHOLD = 200  # above one chunk, so a single reusable chunk is below it
@@ -47,7 +45,6 @@ class PD:
     prefill: APIServer
     decode: APIServer
     router_url: str
-    router: subprocess.Popen[bytes]
     shared: Path
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
 
@@ -93,36 +90,6 @@ def _kvtier(resp: httpx.Response) -> dict[str, Any]:
     return params
 
 
-def _connector(config: Path, role: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config": str(config), "role": role},
-    }
-
-
-def _start_router(tmp: Path, prefill: str, decode: str, tiers: Path) -> tuple[str, Any]:
-    port = free_port()
-    log = open(tmp / "router.log", "ab")  # noqa: SIM115 - closed with the fixture
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier", "router", "--prefill", prefill, "--decode", decode,
-         "--port", str(port), "--tiers", str(tiers), "--request-timeout", "60"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (tmp / "router.log").read_text()
-        try:
-            httpx.get(url + "/metrics", timeout=1)
-            return url, (proc, log)
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise TimeoutError("router did not start")
-
-
 @pytest.fixture(scope="module")
 def pd(tiny_fp32: Path) -> Iterator[PD]:
     with tempfile.TemporaryDirectory(prefix="kvt-pd-") as d:
@@ -137,18 +104,16 @@ def pd(tiny_fp32: Path) -> Iterator[PD]:
             "retention": {"lease_seconds": LEASE},
         }))
         with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False,
-                       kv_transfer_config=_connector(config, "prefill")) as p, \
+                       kv_transfer_config=kv_transfer_config(config, role="prefill")) as p, \
              APIServer(tmp, model=tiny_fp32, name="decode",
-                       kv_transfer_config=_connector(config, "decode")) as dec:
-            url, (proc, log) = _start_router(tmp, p.url, dec.url, config)
-            env = PD(p, dec, url, proc, shared)
-            try:
-                yield env
-            finally:
-                env.client.close()
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-                log.close()
+                       kv_transfer_config=kv_transfer_config(config, role="decode")) as dec:
+            args = ["--tiers", str(config), "--request-timeout", "60"]
+            with router_process(tmp, p.url, dec.url, args=args) as url:
+                env = PD(p, dec, url, shared)
+                try:
+                    yield env
+                finally:
+                    env.client.close()
 
 
 def test_turn1_decode_loads_the_prefill_nodes_kv(pd: PD) -> None:
