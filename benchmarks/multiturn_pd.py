@@ -79,7 +79,10 @@ class Preset:
 
 
 PRESETS = {
-    "bench": Preset("1024,2048,4096", conversations=2, turns=4, output_tokens=32, new_tokens=64),
+    # 128 output tokens: each turn's answer completes a chunk on the decode node, so the
+    # next prefill reads decode-written KV from the shared tier, not only its own.
+    "bench": Preset("1024,2048,4096", conversations=2, turns=4, output_tokens=128,
+                    new_tokens=64),
     "smoke": Preset("256,512", conversations=1, turns=2, output_tokens=4, new_tokens=64),
 }
 
@@ -96,6 +99,7 @@ class TurnRecord:
     ttft_ms: float
     prefill_ms: float
     restored_tokens: int
+    restored_shared: int  # of those, read from the shared tier (written by the decode node)
     restore_ms: float
     compute_ms: float
     kv_bytes: int
@@ -198,17 +202,23 @@ def conversation(client: httpx.Client, url: str, shared: Path, *, mode: str, len
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True,
                 "stream": True, "conversation_id": cid}
         reply = stream_completion(client, url, body)
-        # Decode keeps prompt + output in full chunks (the prefill node wrote the prompt's).
-        chunks = (len(prompt) + len(reply.token_ids)) // CHUNK_TOKENS
+        # Decode keeps prompt + output in full chunks (the prefill node wrote the prompt's);
+        # the last output token's KV is never computed, so it cannot complete a chunk.
+        chunks = (len(prompt) + len(reply.token_ids) - 1) // CHUNK_TOKENS
         settled = wait_stored(shared, before + chunks - stored, args.store_timeout)
         stored = chunks
         prefill_ms = float(reply.headers.get("x-kvtier-prefill-ms", "nan"))
         restore_ms = float(reply.headers.get("x-kvtier-restore-ms", "0"))
         restored = int(reply.headers.get("x-kvtier-restored-tokens", "0"))
+        by_tier = dict(
+            part.split("=", 1) for part in reply.headers.get("x-kvtier-restored-by-tier", "")
+            .split(",") if "=" in part
+        )
+        shared_tokens = sum(int(n) for tier, n in by_tier.items() if tier != "host")
         records.append(TurnRecord(
             mode=mode, length=length, conversation=index, turn=turn,
             prompt_tokens=len(prompt), ttft_ms=reply.ttft_s * 1e3, prefill_ms=prefill_ms,
-            restored_tokens=restored, restore_ms=restore_ms,
+            restored_tokens=restored, restored_shared=shared_tokens, restore_ms=restore_ms,
             compute_ms=max(prefill_ms - restore_ms, 0.0),
             kv_bytes=restored * kv_bytes_per_token, output_tokens=len(reply.token_ids),
             total_ms=reply.total_s * 1e3, stored=settled))
@@ -273,7 +283,7 @@ def main_table(summary: dict[str, Any], lengths: list[int]) -> str:
 def turn_table(rows: list[TurnRecord], length: int, turns: int) -> str:
     """Median TTFT per turn at one length (prompt tokens from the first conversation)."""
     head = f"| {'turn':>4} | {'prompt':>6} | {'TTFT on ms':>10} | {'TTFT off ms':>11} | " \
-           f"{'off/on':>6} | {'restored on':>11} |"
+           f"{'off/on':>6} | {'restored on':>11} | {'from shared tier':>16} |"
     lines = [f"L = {length}", head,
              "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for t in range(1, turns + 1):
@@ -284,8 +294,9 @@ def turn_table(rows: list[TurnRecord], length: int, turns: int) -> str:
             continue
         on, off = _median([r.ttft_ms for r in a]), _median([r.ttft_ms for r in b])
         restored = _median([float(r.restored_tokens) for r in a])
+        shared = _median([float(r.restored_shared) for r in a])
         lines.append(f"| {t:>4} | {a[0].prompt_tokens:>6} | {on:>10.1f} | {off:>11.1f} | "
-                     f"{off / on:>5.2f}x | {restored:>11.0f} |")
+                     f"{off / on:>5.2f}x | {restored:>11.0f} | {shared:>16.0f} |")
     return "\n".join(lines)
 
 

@@ -168,6 +168,11 @@ class Router:
         handoff = kvtier_params(doc)
         turn.restored_tokens = int(param_number(handoff, "restored_tokens"))
         turn.restore_ms = param_number(handoff, "restore_ms")
+        by_tier = handoff.get("restored_by_tier") if handoff is not None else None
+        if isinstance(by_tier, dict):
+            turn.restored_by_tier = {
+                str(t): int(n) for t, n in by_tier.items() if isinstance(n, int)
+            }
         return handoff
 
     async def decode(self, request: web.Request, req: ProxyRequest,

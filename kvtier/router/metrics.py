@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import (
@@ -40,6 +40,7 @@ class Turn:
     prefill_s: float | None = None
     restored_tokens: int = 0
     restore_ms: float = 0.0
+    restored_by_tier: dict[str, int] = field(default_factory=dict)
     ttft_s: float | None = None
     status: int = 0
     stream_broken: bool = False
@@ -50,6 +51,9 @@ class Turn:
             "X-KVTier-Prefill-Ms": f"{(self.prefill_s or 0.0) * 1e3:.1f}",
             "X-KVTier-Restored-Tokens": str(self.restored_tokens),
             "X-KVTier-Restore-Ms": f"{self.restore_ms:.1f}",
+            "X-KVTier-Restored-By-Tier": ",".join(
+                f"{tier}={n}" for tier, n in sorted(self.restored_by_tier.items())
+            ),
         }
 
 

@@ -221,6 +221,7 @@ def test_dp_reuse_off_tells_prefill_not_to_load_and_headers_report_the_prefill()
                 "kvtier": {"phase": "prefill", "load": False}}
             assert headers["X-KVTier-Restored-Tokens"] == "7"
             assert headers["X-KVTier-Restore-Ms"] == "12.5"
+            assert headers["X-KVTier-Restored-By-Tier"] == "file1=7"
             assert float(headers["X-KVTier-Prefill-Ms"]) > 0
     run(scenario)
 
