@@ -91,6 +91,7 @@ log = logging.getLogger("kvtier.s3")
 
 _USED = "kvtier-used"  # object metadata: kvtier wall-clock time of the last use
 _SUFFIX = ".kv"
+_CLOCK_SKEW_S = 60.0  # leeway between a node's clock and the endpoint's LastModified
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 _GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
 
@@ -508,9 +509,10 @@ class S3Tier:
 
     def expire(self, lease_seconds: float) -> int:
         """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        self.rescan()
+        self.rescan()  # listing times are the endpoint's LastModified, not kvtier's stamp
         cutoff = self._clock.wall() - lease_seconds
-        old = [k for k, e in self._recency.items() if e.last_used < cutoff]
+        maybe = cutoff + _CLOCK_SKEW_S  # the HEAD below decides with kvtier's own stamp
+        old = [k for k, e in self._recency.items() if e.last_used < maybe]
         if not old:
             return 0
         try:
