@@ -33,6 +33,18 @@ from kvtier.testing.engines import engine_env
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 
 
+def _terminate(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the process group of ``proc``, then SIGKILL it after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,14 +141,8 @@ class APIServer:
             self.proc.wait()
 
     def stop(self) -> None:
-        p = self.proc
-        if p is not None and p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        if self.proc is not None:
+            _terminate(self.proc)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -189,10 +195,4 @@ def router_process(
                     time.sleep(0.2)  # polling a subprocess
             yield url
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            _terminate(proc)

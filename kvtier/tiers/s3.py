@@ -307,6 +307,12 @@ class S3Tier:
                 entry.last_used = now  # this node's view; the shared one waits for the next
                 self._recency.refresh(key)
                 return
+        self._stamp(name, now, etag)  # gone or replaced meanwhile: the next lookup notices
+        self._recency.remember(key, size, now, now)
+
+    def _stamp(self, name: str, now: float, etag: str = "") -> bool:
+        """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
+        (only if it is still version ``etag``, when given); False if gone or failed."""
         cond = {"CopySourceIfMatch": etag} if etag else {}
         try:
             self.io.client.copy_object(
@@ -318,11 +324,13 @@ class S3Tier:
                 **cond,
             )
         except ClientError as e:
-            if code(e) not in _GONE:  # else deleted or replaced: the next lookup notices
+            if code(e) not in _GONE:
                 self._fault("touch", e)
+            return False
         except BotoCoreError as e:
             self._fault("touch", e)
-        self._recency.remember(key, size, now, now)
+            return False
+        return True
 
     def _quarantine(self, key: ChunkKey, name: str, etag: str, why: str) -> None:
         """Delete a corrupt object, unless someone replaced it since it was read."""
@@ -484,22 +492,13 @@ class S3Tier:
         """Restart the object's lease now; ``False`` if it is not there."""
         now = self._clock.wall()
         name = self.object_name(key)
-        try:
-            self.io.client.copy_object(
-                Bucket=self.bucket,
-                Key=name,
-                CopySource={"Bucket": self.bucket, "Key": name},
-                MetadataDirective="REPLACE",
-                Metadata={_USED: repr(now)},
-            )
-            head = self.io.head(name)
-        except ClientError as e:
-            if code(e) not in _GONE:
-                self._fault("touch", e)
+        if not self._stamp(name, now):
             self._recency.forget(key)
             return False
-        except BotoCoreError as e:
-            self._fault("touch", e)
+        try:
+            head = self.io.head(name)
+        except S3_ERRORS as e:
+            self._fault("head", e)
             return False
         if head is None:
             self._recency.forget(key)
