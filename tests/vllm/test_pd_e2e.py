@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from kvtier.clock import ManualClock
+from kvtier.keys import key_from_hex
 from kvtier.testing.servers import APIServer, router_process
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
@@ -46,6 +47,7 @@ class PD:
     decode: APIServer
     router_url: str
     shared: Path
+    shared_tier: FileTier  # this process's view of the shared directory (object paths)
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
 
     def reference(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -72,7 +74,7 @@ class PD:
 
     def wait_stored(self, last_key: str, timeout: float = 60.0) -> None:
         """The decode node writes after it answers; wait until the chain's end is on disk."""
-        path = FileTier(self.shared, 1 << 30).path_of(bytes.fromhex(last_key))  # type: ignore[arg-type]
+        path = self.shared_tier.path_of(key_from_hex(last_key))
         deadline = time.monotonic() + timeout
         while not path.exists():
             assert time.monotonic() < deadline, f"{path} never appeared"
@@ -109,7 +111,7 @@ def pd(tiny_fp32: Path) -> Iterator[PD]:
                        kv_transfer_config=kv_transfer_config(config, role="decode")) as dec:
             args = ["--tiers", str(config), "--request-timeout", "60"]
             with router_process(tmp, p.url, dec.url, args=args) as url:
-                env = PD(p, dec, url, shared)
+                env = PD(p, dec, url, shared, FileTier(shared, 1 << 30))
                 try:
                     yield env
                 finally:
