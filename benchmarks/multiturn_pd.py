@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
 from kvtier.testing.models import build_bench_llama, build_tiny_llama
-from kvtier.testing.servers import APIServer, router_process
+from kvtier.testing.servers import APIServer, router_process, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -419,11 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model} ({dtype}); starting prefill + decode servers ...", flush=True)
         common: dict[str, Any] = {"model": model, "dtype": dtype, "max_model_len": max_len,
                                   "kv_cache_gib": 1}
+        p_cpus, d_cpus = split_cpus(2)  # one machine: never bind both workers to one core
         prefill = stack.enter_context(APIServer(
-            tmp, name="prefill", prefix_caching=False,
+            tmp, name="prefill", prefix_caching=False, cpus=p_cpus,
             kv_transfer_config=kv_transfer_config(cfg, role="prefill"), **common))
         decode = stack.enter_context(APIServer(
-            tmp, name="decode", prefix_caching=True,
+            tmp, name="decode", prefix_caching=True, cpus=d_cpus,
             kv_transfer_config=kv_transfer_config(cfg, role="decode"), **common))
         urls = {m: stack.enter_context(router(tmp, f"router-{m}", prefill.url, decode.url, cfg,
                                               dp_reuse=(m == "dp_on"),

@@ -148,6 +148,26 @@ class TieredStore:
         if self._back:
             self._spill_if_needed()
 
+    def rewrite_through(self, keys: Sequence[ChunkKey]) -> int:
+        """Queue host-resident ``keys`` to every write-through tier again; returns how many.
+
+        For a node that announces chunks to another node (P/D): the host tier can outlive
+        a shared tier's copy (another node's collector removed it past its lease, which
+        this node's index cannot see). Each tier's CREATE put asks the tier itself first,
+        so what is still there costs one existence check and no write.
+        """
+        if not self._through:
+            return 0
+        n = 0
+        for key in keys:
+            got = self.host.index.acquire(key)
+            if got is None:
+                continue
+            slot, meta = got
+            self._queue_write(slot, meta, self._through, spill=False, pinned=True)
+            n += 1
+        return n
+
     def _spill_if_needed(self) -> None:
         if self.host.index.clean_or_free() >= self._reserve_slots:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,26 @@ def test_write_through_reaches_lower_tier_at_once(through: TieredStore) -> None:
     through.flush()
     assert through.lower[0].tier.contains_prefix(keys) == 3
     assert through.lookup(keys).tiers == (HOST, HOST, HOST)
+
+
+def test_rewrite_through_restores_what_another_node_removed(
+    through: TieredStore, tmp_path: Path
+) -> None:
+    kept, gone = make_key(0), make_key(1)
+    for i in range(2):
+        assert _put(through, i)
+    through.flush()
+    other = FileTier(tmp_path / "file", 1 << 30, clock=ManualClock())  # another node
+    inode = os.stat(other.path_of(kept)).st_ino
+    assert other.delete([gone]) == 1
+    assert through.lower[0].tier.contains_prefix([gone]) == 1  # our index cannot tell
+    assert through.rewrite_through([kept, gone, make_key(2)]) == 2  # host-resident only
+    through.flush()
+    assert other.contains_prefix([kept, gone]) == 2
+    assert os.stat(other.path_of(kept)).st_ino == inode  # present: checked, not rewritten
+    buf = np.empty(PAYLOAD, np.uint8)
+    assert other.get_into(gone, memoryview(buf)) is not None
+    assert bytes(buf) == bytes(payload_for(gone))
 
 
 def test_lookup_reports_prefix_and_location(through: TieredStore) -> None:

@@ -91,7 +91,8 @@ def test_engine_env(tmp_path: Path) -> None:
     env = engine_env(tmp_path, 2)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert Path(env["VLLM_CACHE_ROOT"]).is_dir() and Path(env["VLLM_RPC_BASE_PATH"]).is_dir()
+    for var in ("VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH", "TMPDIR"):
+        assert Path(env[var]).is_dir() and Path(env[var]).is_relative_to(tmp_path)
     with pytest.raises(ValueError):
         engine_env(tmp_path, 0)
 

@@ -50,19 +50,23 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
       more core, which changes the OpenMP thread count and therefore bf16 results.
     * ``VLLM_CACHE_ROOT`` / ``VLLM_RPC_BASE_PATH``: keep caches and IPC sockets under
       ``tmpdir`` (both directories are created).
+    * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
+      ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
     """
     if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number >= 1, got {kv_cache_gib}")
     root = Path(tmpdir).absolute()
     cache_root = root / "vllm-cache"
     rpc_path = root / "vllm-rpc"
-    cache_root.mkdir(parents=True, exist_ok=True)
-    rpc_path.mkdir(parents=True, exist_ok=True)
+    tmp = root / "tmp"
+    for d in (cache_root, rpc_path, tmp):
+        d.mkdir(parents=True, exist_ok=True)
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         "VLLM_CACHE_ROOT": str(cache_root),
         "VLLM_RPC_BASE_PATH": str(rpc_path),
+        "TMPDIR": str(tmp),
         "TOKENIZERS_PARALLELISM": "false",
     }
 

@@ -149,11 +149,18 @@ class FileTier:
         self.metrics.used(self._recency.bytes)
 
     def _known(self, key: ChunkKey) -> bool:
+        """Indexed, or on disk (written by another node). The index may be stale: another
+        node's collector can delete what we remember; a read then misses and recomputes."""
         if key in self._recency:
             return True
+        return self._on_disk(key)
+
+    def _on_disk(self, key: ChunkKey) -> bool:
+        """Ask the directory, never the index; refresh the index either way."""
         try:
             st = os.stat(self.path_of(key))
         except OSError:
+            self._recency.forget(key)
             return False
         self._recency.remember(key, st.st_size, st.st_mtime)
         return True
@@ -234,7 +241,9 @@ class FileTier:
     ) -> PutStatus:
         t0 = time.perf_counter()
         path = self.path_of(meta.key)
-        if mode is WriteMode.CREATE and self._known(meta.key):
+        # Ask the directory, not the index: a stale entry (another node's collector removed
+        # the object) must not turn a write-through into a silent no-op.
+        if mode is WriteMode.CREATE and self._on_disk(meta.key):
             return PutStatus.EXISTS
         if meta.object_len > self.capacity:
             return PutStatus.NO_SPACE

@@ -242,14 +242,21 @@ class S3Tier:
         self.metrics.used(self._recency.bytes)
 
     def _known(self, key: ChunkKey) -> bool:
+        """Indexed, or in the bucket (written by another node). The index may be stale:
+        another node's collector can delete what we remember; a read then misses."""
         if key in self._recency:
             return True
+        return self._in_bucket(key)
+
+    def _in_bucket(self, key: ChunkKey) -> bool:
+        """Ask the endpoint (HEAD), never the index; refresh the index either way."""
         try:
             head = self.io.head(self.object_name(key))
         except S3_ERRORS as e:
             self._fault("head", e)
             return False
         if head is None:
+            self._recency.forget(key)
             return False
         self._recency.remember(key, head.size, _used(head))
         return True
@@ -351,9 +358,10 @@ class S3Tier:
     ) -> PutStatus:
         t0 = time.perf_counter()
         create = mode is WriteMode.CREATE
-        with self._recency.lock:
-            if create and meta.key in self._recency:
-                return PutStatus.EXISTS
+        # An indexed key is confirmed with a HEAD (not a blind conditional PUT of the whole
+        # payload): a stale entry must not turn a write-through into a silent no-op.
+        if create and meta.key in self._recency and self._in_bucket(meta.key):
+            return PutStatus.EXISTS
         if meta.object_len > self.capacity:
             return PutStatus.NO_SPACE
         body = as_bytes_view(payload)

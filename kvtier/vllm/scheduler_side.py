@@ -332,6 +332,10 @@ class SchedulerSide:
         """Queue copies of the chunks not stored yet; returns how many."""
         n_chunks = len(keys)
         stored = self.store.lookup(keys).hits
+        if self.role != "both" and stored:
+            # The other node reads these from the shared tier: our host copy may have
+            # outlived the shared one (collected past its lease), so offer them again.
+            self.store.rewrite_through(keys[:stored])
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
             meta = self._meta(ns, keys, c)

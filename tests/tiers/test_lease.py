@@ -18,7 +18,7 @@ import pytest
 from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey
 from kvtier.lease import expire_all, renew_chain
-from kvtier.tiers.base import SharedTier
+from kvtier.tiers.base import PutStatus, SharedTier
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.s3 import S3Tier
 from tests.tiers.conftest import _file
@@ -115,3 +115,18 @@ def test_renew_chain_stops_at_a_missing_chunk(harness: TierHarness) -> None:
     tier.delete([keys[1]])
     assert renew_chain([tier], keys[2].hex()) == 1  # the last one; its parent is gone
     assert not tier.renew(keys[1])
+
+
+def test_a_write_after_another_node_collected_the_object_stores_it_again(
+    harness: TierHarness,
+) -> None:
+    tier = _shared(harness)
+    keys = _chain(tier, 0, 1)
+    other = _second_node(tier, harness.clock)
+    harness.clock.advance(LEASE + 1)
+    assert other.expire(LEASE) == 1  # the other node's collector
+    # `tier`'s index still lists the key; a CREATE must ask the store, not the index.
+    status = tier.put(meta_for(keys[0]), memoryview(payload_for(keys[0])))
+    assert status is PutStatus.STORED
+    assert other.read_meta(keys[0]) is not None
+    assert tier.put(meta_for(keys[0]), memoryview(payload_for(keys[0]))) is PutStatus.EXISTS

@@ -29,7 +29,7 @@ import pytest
 
 from kvtier.clock import ManualClock
 from kvtier.keys import key_from_hex
-from kvtier.testing.servers import APIServer, router_process
+from kvtier.testing.servers import APIServer, router_process, split_cpus
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
 
@@ -105,9 +105,10 @@ def pd(tiny_fp32: Path) -> Iterator[PD]:
             "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30},
             "retention": {"lease_seconds": LEASE},
         }))
-        with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False,
+        p_cpus, d_cpus = split_cpus(2)  # a shared core starves the prefill while decode waits
+        with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False, cpus=p_cpus,
                        kv_transfer_config=kv_transfer_config(config, role="prefill")) as p, \
-             APIServer(tmp, model=tiny_fp32, name="decode",
+             APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
                        kv_transfer_config=kv_transfer_config(config, role="decode")) as dec:
             args = ["--tiers", str(config), "--request-timeout", "60"]
             with router_process(tmp, p.url, dec.url, args=args) as url:
@@ -229,7 +230,7 @@ def test_concurrent_streaming_conversations_never_mix(pd: PD) -> None:
                     "conversation_id": c}
             parts, ids = [], []
             async with client.stream("POST", pd.router_url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
+                assert r.status_code == 200, (await r.aread()).decode()
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         choice = json.loads(line[6:])["choices"][0]

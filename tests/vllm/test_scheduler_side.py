@@ -105,3 +105,19 @@ def test_load_false_never_restores(env: Any) -> None:
     _prefill_writes(sched, prefill_node, 4)
     assert _ask(sched, _request("r4", load=False)) == 0
     assert _ask(sched, _request("r5")) == 4 * CT
+
+
+def test_a_finished_request_offers_host_chunks_the_shared_tier_lost(env: Any) -> None:
+    sched, other_node, _ = env
+    keys = _keys()
+    for c in range(4):
+        sched.store.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8))
+    sched.store.flush()
+    assert other_node.delete(keys[:4]) == 4  # e.g. its collector, past the lease
+    req = _request("r6")
+    req.num_computed_tokens = 4 * CT
+    delay, params = sched.request_finished(req, list(range(4)))
+    assert not delay  # all four are in the host tier: nothing to copy from vLLM's blocks
+    assert params["kvtier"]["tokens"] == 4 * CT
+    sched.store.flush()
+    assert other_node.contains_prefix(keys[:4]) == 4  # written through again from host
