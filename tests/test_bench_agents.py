@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import agents
+from benchmarks.agentsim.plan import PRESETS, Workload, make_plan
+from benchmarks.agentsim.report import overflow_time
 from kvtier.testing.models import build_tiny_llama
 from kvtier.testing.servers import APIServer
 from kvtier.vllm.settings import kv_transfer_config
@@ -25,10 +27,10 @@ SMOKE = ["--preset", "cpu", "--agents", "2", "--turns", "3", "--arrival-s", "0.5
 
 
 def test_plan_is_deterministic_and_seeded() -> None:
-    w, _ = agents.PRESETS["cpu"]
-    a, b = agents.make_plan(w), agents.make_plan(w)
+    w, _ = PRESETS["cpu"]
+    a, b = make_plan(w), make_plan(w)
     assert a == b
-    assert agents.make_plan(agents.Workload(**{**w.__dict__, "seed": 1})) != a
+    assert make_plan(Workload(**{**w.__dict__, "seed": 1})) != a
     assert [p.start_s for p in a] == [i * w.arrival_s for i in range(w.agents)]
     for p in a:
         assert len(p.messages) == len(p.thinks) == w.turns - 1
@@ -41,10 +43,9 @@ def test_overflow_rule_takes_the_earliest_sign() -> None:
     telemetry = [{"t_s": 0.0, "kv_usage": 0.1, "preemptions": 0.0},
                  {"t_s": 3.0, "kv_usage": 0.5, "preemptions": 1.0},
                  {"t_s": 6.0, "kv_usage": 0.96, "preemptions": 1.0}]
-    assert agents.overflow_time(telemetry, [], None) == (3.0, "preemption")
-    assert agents.overflow_time(telemetry, [(1.0, 3), (2.0, 9)], 8) == (2.0,
-                                                                        "working_set>capacity")
-    assert agents.overflow_time([], [(1.0, 3)], 8) == (None, None)
+    assert overflow_time(telemetry, [], None) == (3.0, "preemption")
+    assert overflow_time(telemetry, [(1.0, 3), (2.0, 9)], 8) == (2.0, "working_set>capacity")
+    assert overflow_time([], [(1.0, 3)], 8) == (None, None)
 
 
 @pytest.fixture(scope="module")
