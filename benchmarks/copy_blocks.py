@@ -116,11 +116,17 @@ def run_size(block: int, total: int, device: str, reps: int) -> dict[str, Any]:
     def from_chunk() -> None:
         contig.copy_(host, non_blocking=cuda)
 
+    def gather_with(be: CopyBackend) -> Callable[[], None]:
+        return lambda: be.gather(views, ids, host).wait()
+
+    def scatter_with(be: CopyBackend) -> Callable[[], None]:
+        return lambda: be.scatter(host, views, ids).wait()
+
     fns: dict[str, Callable[[], None]] = {"contig gather": to_chunk, "contig scatter": from_chunk}
     names = backends(device)
     for name, be in names.items():
-        fns[f"{name} gather"] = lambda be=be: be.gather(views, ids, host).wait()
-        fns[f"{name} scatter"] = lambda be=be: be.scatter(host, views, ids).wait()
+        fns[f"{name} gather"] = gather_with(be)
+        fns[f"{name} scatter"] = scatter_with(be)
     secs = timed(fns, reps, sync)
     gbps = {k: nbytes / v / 1e9 for k, v in secs.items()}
     return {
@@ -151,7 +157,7 @@ def verdict(rows: list[dict[str, Any]], device: str) -> dict[str, Any]:
     if device == "cuda" and "native-memcpy" in rows[0]["gbps"]:
         # The strategy with the higher geometric-mean bandwidth over the block sizes.
         out["recommended_default"] = {
-            d: max(("memcpy", "kernel"), key=lambda s, d=d: statistics.geometric_mean(
+            d: max(("memcpy", "kernel"), key=lambda s: statistics.geometric_mean(
                 r["gbps"][f"native-{s}"][d] for r in rows))
             for d in ("gather", "scatter")
         }

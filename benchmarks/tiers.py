@@ -105,12 +105,13 @@ class Bench:
 
     def row(self, path: str, op: str, kvtier: float, raw: float, raw_name: str) -> None:
         tier = path.split()[0]
-        r = {"path": path, "op": op, "kvtier_gbps": round(kvtier, 3), "raw_gbps": round(raw, 3),
-             "raw": raw_name, "ratio": round(kvtier / raw, 3), "target": TARGETS[tier]}
-        self.rows.append(r)
-        ok = "ok" if r["ratio"] >= r["target"] else "MISS"
-        print(f"{path:<6} {op:<10} {kvtier:8.2f} {raw:8.2f}  {r['ratio']:5.2f}  "
-              f">= {r['target']:.2f} {ok}   (raw: {raw_name})", flush=True)
+        ratio, target = round(kvtier / raw, 3), TARGETS[tier]
+        self.rows.append({"path": path, "op": op, "kvtier_gbps": round(kvtier, 3),
+                          "raw_gbps": round(raw, 3), "raw": raw_name, "ratio": ratio,
+                          "target": target})
+        ok = "ok" if ratio >= target else "MISS"
+        print(f"{path:<6} {op:<10} {kvtier:8.2f} {raw:8.2f}  {ratio:5.2f}  "
+              f">= {target:.2f} {ok}   (raw: {raw_name})", flush=True)
 
     def host(self) -> None:
         tier = HostTier(self.total, self.chunk)

@@ -33,11 +33,11 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
 def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
     proc = _spawn(str(tmp_path))
     assert proc.stdout is not None
-    stored = []
+    stored: list[int] = []
     for line in proc.stdout:
-        i, status, _ = line.split()
+        index, status, _ = line.split()
         if status == PutStatus.STORED.value:
-            stored.append(int(i))
+            stored.append(int(index))
         if len(stored) >= 40:
             break
     proc.send_signal(signal.SIGKILL)
@@ -47,11 +47,11 @@ def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
     buf = np.empty(CHUNK, dtype=np.uint8)
     for i in stored:
         key = make_key(i)
-        assert tier.get_into(key, memoryview(buf)) is not None, f"chunk {i} lost"
+        assert tier.get_into(key, buf.data) is not None, f"chunk {i} lost"
         np.testing.assert_array_equal(buf, payload_for(key, CHUNK))
     for info in list(tier.scan()):  # whatever else is visible is whole, never partial
         assert info.size == HEADER_SPAN + CHUNK
-        assert tier.get_into(info.key, memoryview(buf)) is not None
+        assert tier.get_into(info.key, buf.data) is not None
     assert tier.metrics.counts.corruptions == 0
     assert tier.remove_stale_temps(older_than=-1) >= 0
     assert not list(tmp_path.rglob("*.tmp"))
@@ -81,7 +81,7 @@ def test_disk_full_counts_errors_and_keeps_answering(tiny_fs: Path) -> None:
     assert not list(tiny_fs.rglob("*.tmp")), "failed writes clean up their temp files"
     buf = np.empty(CHUNK, dtype=np.uint8)
     for i, status in enumerate(statuses):
-        got = tier.get_into(make_key(i), memoryview(buf))
+        got = tier.get_into(make_key(i), buf.data)
         assert (got is not None) == (status is PutStatus.STORED)
 
 

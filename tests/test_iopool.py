@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 
@@ -16,7 +17,7 @@ def test_loads_run_before_queued_stores() -> None:
     try:
         pool.submit_load(gate.wait)  # occupies the only thread
         for i in range(3):
-            pool.submit_store(lambda i=i: order.append(f"s{i}"))
+            pool.submit_store(partial(order.append, f"s{i}"))
         last = pool.submit_load(lambda: order.append("load"))
         gate.set()
         last.result(timeout=10)
@@ -28,9 +29,14 @@ def test_loads_run_before_queued_stores() -> None:
 
 def test_full_store_queue_refuses_without_blocking() -> None:
     gate, started = threading.Event(), threading.Event()
+
+    def hold() -> None:  # occupy the only thread until the gate opens
+        started.set()
+        gate.wait()
+
     pool = IOPool(threads=1, max_queued_stores=2)
     try:
-        pool.submit_load(lambda: (started.set(), gate.wait()))
+        pool.submit_load(hold)
         assert started.wait(timeout=10)
         assert pool.submit_store(lambda: None) is not None
         assert pool.submit_store(lambda: None) is not None
@@ -46,7 +52,7 @@ def test_close_drains_queued_work_and_refuses_more() -> None:
     gate = threading.Event()
     pool = IOPool(threads=2, max_queued_stores=100)
     pool.submit_load(gate.wait)
-    futs = [pool.submit_store(lambda i=i: done.append(i)) for i in range(20)]
+    futs = [pool.submit_store(partial(done.append, i)) for i in range(20)]
     gate.set()
     pool.close()
     assert sorted(done) == list(range(20))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,7 @@ def test_rewrite_through_restores_what_another_node_removed(
     assert other.contains_prefix([kept, gone]) == 2
     assert os.stat(other.path_of(kept)).st_ino == inode  # present: checked, not rewritten
     buf = np.empty(PAYLOAD, np.uint8)
-    assert other.get_into(gone, memoryview(buf)) is not None
+    assert other.get_into(gone, buf.data) is not None
     assert bytes(buf) == bytes(payload_for(gone))
 
 
@@ -116,7 +117,7 @@ def test_write_back_spills_before_evicting(back: TieredStore) -> None:
     assert lk.hits == 30, "every chunk is in host or spilled below"
     buf = np.zeros(PAYLOAD, dtype=np.uint8)
     for key in keys:
-        assert back.get_into(key, memoryview(buf)) is not None
+        assert back.get_into(key, buf.data) is not None
         np.testing.assert_array_equal(buf, payload_for(key))
 
 
@@ -133,8 +134,13 @@ def test_full_store_queue_drops_and_counts(tmp_path: Path) -> None:
 
     gate = threading.Event()
     started = [threading.Event(), threading.Event()]
+
+    def hold(ev: threading.Event) -> None:  # occupy a worker until the gate opens
+        ev.set()
+        gate.wait()
+
     for ev in started:  # hold both workers so the queue fills
-        s.io.submit_load(lambda ev=ev: (ev.set(), gate.wait()))
+        s.io.submit_load(partial(hold, ev))
     assert all(ev.wait(timeout=10) for ev in started)
     try:
         for i in range(4):

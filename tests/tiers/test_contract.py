@@ -7,22 +7,20 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.tiers.base import PutStatus, WriteMode
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import PutStatus, Tier, WriteMode
 from tests.tiers.harness import PAYLOAD, TierHarness, make_key, meta_for, payload_for
 
 
-def _get(tier: object, key: bytes, n: int = PAYLOAD) -> np.ndarray | None:
+def _get(tier: Tier, key: ChunkKey, n: int = PAYLOAD) -> np.ndarray | None:
     buf = np.full(n, 0xAB, dtype=np.uint8)  # poisoned
-    meta = tier.get_into(key, memoryview(buf))  # type: ignore[attr-defined]
+    meta = tier.get_into(key, buf.data)
     return None if meta is None else buf
 
 
-def _put(tier: object, i: int, mode: WriteMode = WriteMode.CREATE) -> PutStatus:
+def _put(tier: Tier, i: int, mode: WriteMode = WriteMode.CREATE) -> PutStatus:
     key = make_key(i)
-    status: PutStatus = tier.put(  # type: ignore[attr-defined]
-        meta_for(key), memoryview(payload_for(key)), mode
-    )
-    return status
+    return tier.put(meta_for(key), payload_for(key).data, mode)
 
 
 def test_put_then_get_returns_exact_bytes(harness: TierHarness) -> None:
@@ -30,7 +28,7 @@ def test_put_then_get_returns_exact_bytes(harness: TierHarness) -> None:
     key = make_key(1)
     assert _put(tier, 1) is PutStatus.STORED
     buf = np.zeros(PAYLOAD, dtype=np.uint8)
-    meta = tier.get_into(key, memoryview(buf))
+    meta = tier.get_into(key, buf.data)
     assert meta == meta_for(key)
     np.testing.assert_array_equal(buf, payload_for(key))
     assert tier.metrics.counts.hits == 1  # type: ignore[attr-defined]
@@ -67,9 +65,9 @@ def test_create_never_replaces_overwrite_always_does(harness: TierHarness) -> No
     key = make_key(1)
     other = payload_for(make_key(2))
     assert _put(tier, 1) is PutStatus.STORED
-    assert tier.put(meta_for(key), memoryview(other), WriteMode.CREATE) is PutStatus.EXISTS
+    assert tier.put(meta_for(key), other.data, WriteMode.CREATE) is PutStatus.EXISTS
     np.testing.assert_array_equal(_get(tier, key), payload_for(key))
-    assert tier.put(meta_for(key), memoryview(other), WriteMode.OVERWRITE) is PutStatus.STORED
+    assert tier.put(meta_for(key), other.data, WriteMode.OVERWRITE) is PutStatus.STORED
     np.testing.assert_array_equal(_get(tier, key), other)
     assert tier.usage().objects == 1
 

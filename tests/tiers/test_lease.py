@@ -45,7 +45,7 @@ def _chain(tier: SharedTier, first: int, n: int) -> list[ChunkKey]:
     keys = [make_key(first + i) for i in range(n)]
     for i, key in enumerate(keys):
         meta = dataclasses.replace(meta_for(key), parent=keys[i - 1] if i else None)
-        tier.put(meta, memoryview(payload_for(key)))
+        tier.put(meta, payload_for(key).data)
     return keys
 
 
@@ -83,7 +83,7 @@ def test_expire_removes_only_objects_past_their_lease(harness: TierHarness) -> N
     assert tier.contains_prefix(old) == 0
     assert tier.contains_prefix(young) == 2
     buf = np.empty(PAYLOAD, np.uint8)
-    assert tier.get_into(young[0], memoryview(buf)) is not None
+    assert tier.get_into(young[0], buf.data) is not None
 
 
 def test_renewal_keeps_a_chain_past_its_original_expiry(harness: TierHarness) -> None:
@@ -126,7 +126,7 @@ def test_a_write_after_another_node_collected_the_object_stores_it_again(
     harness.clock.advance(LEASE + 1)
     assert other.expire(LEASE) == 1  # the other node's collector
     # `tier`'s index still lists the key; a CREATE must ask the store, not the index.
-    status = tier.put(meta_for(keys[0]), memoryview(payload_for(keys[0])))
+    status = tier.put(meta_for(keys[0]), payload_for(keys[0]).data)
     assert status is PutStatus.STORED
     assert other.read_meta(keys[0]) is not None
-    assert tier.put(meta_for(keys[0]), memoryview(payload_for(keys[0]))) is PutStatus.EXISTS
+    assert tier.put(meta_for(keys[0]), payload_for(keys[0]).data) is PutStatus.EXISTS

@@ -4,6 +4,7 @@ across restarts, from S3 only, with corruption, and isolated by namespace."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from tests.vllm.conftest import SMALL_KV_BLOCKS, write_config
 pytestmark = pytest.mark.vllm
 
 OUT = 24  # output tokens per turn
+
+#: The ``engine_factory`` fixture: (model, config, **engine kwargs) -> a started engine.
+EngineFactory = Callable[..., LLMWorker]
 
 
 def restored(r: CompletionResult) -> int:
@@ -37,7 +41,7 @@ def reference(engine: LLMWorker, prompt: list[int], salt: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fp32(engine_factory: Any, tiny_fp32: Path, shared_store: Path,
+def fp32(engine_factory: EngineFactory, tiny_fp32: Path, shared_store: Path,
          tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
     cfg = write_config(
         tmp_path_factory.mktemp("cfg") / "fp32.yaml",
@@ -116,7 +120,7 @@ def test_corrupt_object_on_disk_means_recompute(fp32: LLMWorker, shared_store: P
     assert not all(f.exists() for f in new), "a corrupt object that was read is removed"
 
 
-def test_restart_restores_from_disk(engine_factory: Any, fp32: LLMWorker, tiny_fp32: Path,
+def test_restart_restores_from_disk(engine_factory: EngineFactory, fp32: LLMWorker, tiny_fp32: Path,
                                     shared_store: Path,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     p = tokens(900, seed=61)
@@ -135,7 +139,7 @@ def test_restart_restores_from_disk(engine_factory: Any, fp32: LLMWorker, tiny_f
 
 
 @pytest.fixture(scope="module")
-def bf16(engine_factory: Any, tiny_bf16: Path, shared_store: Path,
+def bf16(engine_factory: EngineFactory, tiny_bf16: Path, shared_store: Path,
          tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
     cfg = write_config(
         tmp_path_factory.mktemp("cfg") / "bf16.yaml",
@@ -163,7 +167,7 @@ def test_other_dtype_gets_no_hit(fp32: LLMWorker, bf16: LLMWorker) -> None:
     assert restored(r) == 0
 
 
-def test_s3_only_lower_tier(engine_factory: Any, tiny_fp32: Path,
+def test_s3_only_lower_tier(engine_factory: EngineFactory, tiny_fp32: Path,
                             request: pytest.FixtureRequest,
                             tmp_path_factory: pytest.TempPathFactory) -> None:
     endpoint = shared_endpoint(request.config)  # also puts test credentials in the env

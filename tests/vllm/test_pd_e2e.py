@@ -228,7 +228,8 @@ def test_concurrent_streaming_conversations_never_mix(pd: PD) -> None:
         for t in range(turns):
             body = {**BASE, "prompt": p, "max_tokens": 12, "stream": True,
                     "conversation_id": c}
-            parts, ids = [], []
+            parts: list[str] = []
+            ids: list[int] = []
             async with client.stream("POST", pd.router_url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200, (await r.aread()).decode()
                 async for line in r.aiter_lines():

@@ -61,8 +61,7 @@ def _keys() -> list[ChunkKey]:
 def _prefill_writes(sched: SchedulerSide, tier: FileTier, n: int) -> None:
     keys = _keys()
     for c in range(n):
-        tier.put(sched._meta(NS.digest(), keys, c), memoryview(np.zeros(sched.slot_bytes,
-                                                                         np.uint8)))
+        tier.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8).data)
 
 
 def _ask(sched: SchedulerSide, req: SimpleNamespace) -> int | None:
