@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -149,24 +149,31 @@ class TieredStore:
             self._spill_if_needed()
 
     def rewrite_through(self, keys: Sequence[ChunkKey]) -> int:
-        """Queue host-resident ``keys`` to every write-through tier again; returns how many.
+        """Offer host-resident ``keys`` to every write-through tier again, as one queued job;
+        returns how many were host-resident when queued (0 if the job was dropped).
 
         For a node that announces chunks to another node (P/D): the host tier can outlive
         a shared tier's copy (another node's collector removed it past its lease, which
         this node's index cannot see). Each tier's CREATE put asks the tier itself first,
-        so what is still there costs one existence check and no write.
+        so what is still there costs one existence check and no write. One job, not one
+        per chunk, so a long prompt cannot fill the store queue and crowd out new chunks.
         """
-        if not self._through:
+        todo = [k for k in keys if self.host.index.contains(k)]
+        if not self._through or not todo:
             return 0
-        n = 0
-        for key in keys:
-            got = self.host.index.acquire(key)
-            if got is None:
-                continue
-            slot, meta = got
-            self._queue_write(slot, meta, self._through, spill=False, pinned=True)
-            n += 1
-        return n
+
+        def job() -> None:
+            for key in todo:
+                got = self.host.index.acquire(key)
+                if got is None:
+                    continue  # evicted since
+                slot, meta = got
+                try:
+                    self._write_slot(slot, meta, self._through)
+                finally:
+                    self.host.release(slot)
+
+        return len(todo) if self._submit(job) else 0
 
     def _spill_if_needed(self) -> None:
         if self.host.index.clean_or_free() >= self._reserve_slots:
@@ -188,11 +195,7 @@ class TieredStore:
 
         def job() -> None:
             try:
-                view = self.host.view(slot, meta.payload_len).data
-                ok = True
-                for tier in tiers:
-                    status = tier.put(meta, view, WriteMode.CREATE)
-                    ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
+                ok = self._write_slot(slot, meta, tiers)
                 if spill:
                     if not ok:
                         log.warning("spill of %s failed; it may be evicted", meta.key.hex())
@@ -200,13 +203,27 @@ class TieredStore:
             finally:
                 self.host.release(slot)
 
+        if not self._submit(job):
+            self.host.release(slot)
+
+    def _write_slot(self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier]) -> bool:
+        """Write one pinned host slot to ``tiers``; True if every tier now holds it."""
+        view = self.host.view(slot, meta.payload_len).data
+        ok = True
+        for tier in tiers:
+            status = tier.put(meta, view, WriteMode.CREATE)
+            ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
+        return ok
+
+    def _submit(self, job: Callable[[], None]) -> bool:
+        """Queue a store job; False (and a counted drop) if the store queue is full."""
         fut = self.io.submit_store(job)
         if fut is None:
-            self.host.release(slot)
             self._drop("store_queue_full")
-            return
+            return False
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
+        return True
 
     def _drop(self, reason: str) -> None:
         self.drops += 1

@@ -149,3 +149,29 @@ def test_full_store_queue_drops_and_counts(tmp_path: Path) -> None:
     finally:
         gate.set()
         s.close()
+
+
+def test_rewrite_through_is_one_queued_job_however_long_the_prompt(tmp_path: Path) -> None:
+    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
+    for i in range(6):
+        assert _put(s, i)
+    s.flush()
+    gate = threading.Event()
+    started = [threading.Event(), threading.Event()]
+
+    def hold(ev: threading.Event) -> None:  # occupy a worker until the gate opens
+        ev.set()
+        gate.wait()
+
+    for ev in started:
+        s.io.submit_load(partial(hold, ev))
+    assert all(ev.wait(timeout=10) for ev in started)
+    before = s.drops  # a 1-job queue dropped some of the puts' own write-throughs
+    try:
+        assert s.rewrite_through([make_key(i) for i in range(6)]) == 6  # fits a 1-job queue
+        assert s.drops == before
+        assert s.rewrite_through([make_key(0)]) == 0  # the queue is full now: counted drop
+        assert s.drops == before + 1
+    finally:
+        gate.set()
+        s.close()
