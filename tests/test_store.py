@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -129,49 +130,47 @@ def test_load_stops_at_first_missing_chunk(through: TieredStore) -> None:
     pinned.release()
 
 
-def test_full_store_queue_drops_and_counts(tmp_path: Path) -> None:
-    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
-
+@contextmanager
+def _workers_held(s: TieredStore) -> Iterator[None]:
+    """Occupy both IO workers until the block exits, so store jobs can only queue."""
     gate = threading.Event()
     started = [threading.Event(), threading.Event()]
 
-    def hold(ev: threading.Event) -> None:  # occupy a worker until the gate opens
-        ev.set()
-        gate.wait()
-
-    for ev in started:  # hold both workers so the queue fills
-        s.io.submit_load(partial(hold, ev))
-    assert all(ev.wait(timeout=10) for ev in started)
-    try:
-        for i in range(4):
-            _put(s, i)
-        assert s.drops == 3
-    finally:
-        gate.set()
-        s.close()
-
-
-def test_rewrite_through_is_one_queued_job_however_long_the_prompt(tmp_path: Path) -> None:
-    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
-    for i in range(6):
-        assert _put(s, i)
-    s.flush()
-    gate = threading.Event()
-    started = [threading.Event(), threading.Event()]
-
-    def hold(ev: threading.Event) -> None:  # occupy a worker until the gate opens
+    def hold(ev: threading.Event) -> None:
         ev.set()
         gate.wait()
 
     for ev in started:
         s.io.submit_load(partial(hold, ev))
-    assert all(ev.wait(timeout=10) for ev in started)
-    before = s.drops  # a 1-job queue dropped some of the puts' own write-throughs
     try:
-        assert s.rewrite_through([make_key(i) for i in range(6)]) == 6  # fits a 1-job queue
-        assert s.drops == before
-        assert s.rewrite_through([make_key(0)]) == 0  # the queue is full now: counted drop
-        assert s.drops == before + 1
+        assert all(ev.wait(timeout=10) for ev in started)
+        yield
     finally:
         gate.set()
+
+
+def test_full_store_queue_drops_and_counts(tmp_path: Path) -> None:
+    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
+    try:
+        with _workers_held(s):
+            for i in range(4):
+                _put(s, i)
+            assert s.drops == 3
+    finally:
+        s.close()
+
+
+def test_rewrite_through_is_one_queued_job_however_long_the_prompt(tmp_path: Path) -> None:
+    s = _store(tmp_path, 8, WritePolicy.THROUGH, queue=1)
+    try:
+        for i in range(6):
+            assert _put(s, i)
+        s.flush()
+        before = s.drops  # a 1-job queue dropped some of the puts' own write-throughs
+        with _workers_held(s):
+            assert s.rewrite_through([make_key(i) for i in range(6)]) == 6  # one job fits
+            assert s.drops == before
+            assert s.rewrite_through([make_key(0)]) == 0  # the queue is full: counted drop
+            assert s.drops == before + 1
+    finally:
         s.close()
