@@ -3,7 +3,9 @@
 The router owns the P/D hand-off: it sends each request to a prefill server with
 ``max_tokens=1``, passes the ``kvtier`` params that server returns (namespace, token count,
 last chunk key) to a decode server as ``expect``, and streams the decode answer back. KV
-itself moves through the shared kvtier tiers, never through the router.
+itself moves through the shared kvtier tiers, never through the router. With an API key
+(``--api-key``, default ``$VLLM_API_KEY`` as for vLLM) every route but ``/health`` and
+``/metrics`` needs it; at most ``--max-concurrency`` requests are served at once.
 
 This module is importable without aiohttp (the rest of the ``kvtier`` CLI must work where
 aiohttp is not installed): it holds the settings and the command-line flags, and imports
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["RouterSettings", "add_arguments", "build_app", "serve", "settings_from_args"]
 
 DEFAULT_LEASE_SECONDS = 480.0
+DEFAULT_MAX_CONCURRENCY = 256
+API_KEY_ENV = "VLLM_API_KEY"  # the variable vLLM's own --api-key defaults to
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,10 @@ class RouterSettings:
     request_timeout: float = 600.0  # whole non-streamed call; gap between streamed chunks
     connect_timeout: float = 5.0
     health_timeout: float = 2.0
-    backend_cooldown: float = 5.0  # a backend that refused a connection is skipped this long
+    backend_cooldown: float = 5.0  # a backend that refused or timed out is skipped this long
     max_body_bytes: int = 64 << 20
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY  # requests served at once; more get 503
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
     dp_reuse: bool = True  # False: prefill never restores (the "D->P off" baseline)
     collect: bool = True  # with tiers: each heartbeat removes objects past their lease
 
@@ -62,6 +69,12 @@ class RouterSettings:
             raise ValueError(f"backend_cooldown must be >= 0, got {self.backend_cooldown}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if isinstance(self.max_concurrency, bool) or self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        key = self.api_key
+        if key is not None and (not key or not key.isprintable() or any(c.isspace() for c in key)):
+            raise ValueError("api_key must be non-empty printable text without spaces "
+                             "(leave it unset to turn authentication off)")
 
     @property
     def ttl_seconds(self) -> float:
@@ -89,7 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-seconds", type=float, default=None, metavar="S",
                    help="lease renewal period (default lease/4)")
     p.add_argument("--backend-cooldown", type=float, default=5.0, metavar="S",
-                   help="skip a backend this long after it refused a connection")
+                   help="skip a backend this long after it refused a connection or timed out")
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY, metavar="N",
+                   help="requests served at once; one more is answered 503 with Retry-After "
+                        f"(default {DEFAULT_MAX_CONCURRENCY})")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                        f"/metrics (default: ${API_KEY_ENV}; prefer the variable, as flags "
+                        "show in the process list)")
     p.add_argument("--no-dp-reuse", dest="dp_reuse", action="store_false",
                    help="prefill recomputes instead of loading stored KV (a baseline)")
     p.add_argument("--no-collect", dest="collect", action="store_false",
@@ -114,6 +134,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         backend_cooldown=args.backend_cooldown,
+        max_concurrency=args.max_concurrency,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         dp_reuse=args.dp_reuse,
         collect=args.collect,
     )

@@ -1,8 +1,9 @@
-"""The router's aiohttp application: P/D hand-off, streaming pass-through, leases.
+"""The router's aiohttp application: P/D hand-off, streaming pass-through.
 
 The HTTP contract is in ``protocol``, backend choice and status mapping in ``backends``,
-the per-request record and Prometheus metrics in ``metrics``; this module holds the
-``Router`` that ties them together, the lease heartbeat, and ``build_app``.
+authentication and the concurrency limit in ``guard``, lease renewal and the heartbeat in
+``leases``, the per-request record and Prometheus metrics in ``metrics``; this module
+holds the ``Router`` that ties them together, and ``build_app``.
 
 Invariants:
 
@@ -13,15 +14,23 @@ Invariants:
 * Nothing waits without a bound: every backend call has a connect timeout and a request
   timeout (whole call, or gap between streamed chunks), health probes have their own.
   Errors map to: refused/unreachable 502, backend 5xx 502 (with its message), timeout 504,
-  no usable backend 503; a backend 4xx is passed through unchanged.
+  no usable backend 503; a backend 4xx is passed through unchanged. A backend that refused
+  a connection or timed out is skipped for ``backend_cooldown`` either way.
+* A client that goes away cancels its handler at once (aiohttp handler cancellation, set on
+  the application itself so that any runner serving it honours it): the backend call is
+  cancelled with it and its connection closed, which makes vLLM abort the request. The
+  turn is counted as aborted.
+* Work is bounded: ``guard`` admits at most ``max_concurrency`` requests at once and
+  answers the rest 503 at once. Each admitted request holds at most one backend connection
+  at a time, so the client session's connection pool needs no limit of its own.
+* With an API key, only callers that presented it reach the handlers below (``guard``), so
+  the ``X-KVTier-Conversation: new|known`` header is only ever shown to a key holder.
+  Without one the router trusts every caller, as before (renewal answers 404 for an
+  unknown id anyway).
+* A client body is parsed and serialized once (``protocol``), never once per backend.
 * Behaviour over time (conversation TTL, backend cooldown, leases) uses the injected
   ``Clock``; the latencies reported in logs and metrics are measured with
   ``time.perf_counter``.
-* Blocking lease work (renewal, collection) runs in a worker thread (``asyncio.to_thread``),
-  never on the loop.
-* One heartbeat (``beat_once``) renews the chain of every live conversation, then runs the
-  collector, if there is one, to remove objects past their lease. A failure is logged and
-  the heartbeat goes on; a heartbeat never stops the router.
 """
 
 from __future__ import annotations
@@ -31,21 +40,22 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.router import RouterSettings
 from kvtier.router.backends import BackendPool, Role, check_status
 from kvtier.router.conversations import ConversationMap
+from kvtier.router.guard import ConcurrencyLimit, require_api_key
+from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, TierRenewer
 from kvtier.router.metrics import RouterMetrics, Turn
 from kvtier.router.protocol import (
-    CONVERSATION_HEADER,
+    AUTHORIZATION,
     PATHS,
     STATE_HEADER,
     BackendRejected,
@@ -60,20 +70,8 @@ from kvtier.router.protocol import (
     prefill_body,
     read_body,
 )
-from kvtier.tiers.base import TierError
 
 log = logging.getLogger(__name__)
-
-ChainRenewer = Callable[[str], int]  # last_key_hex -> chunks renewed; blocking
-Collector = Callable[[], int]  # removes objects past their lease -> how many; blocking
-
-
-@dataclass(frozen=True)
-class Beat:
-    """What one heartbeat did."""
-
-    renewed: int  # chunks whose lease was renewed
-    expired: int  # objects the collector removed
 
 
 class Router:
@@ -88,9 +86,11 @@ class Router:
             "prefill": BackendPool("prefill", settings.prefill, cooldown, clock),
             "decode": BackendPool("decode", settings.decode, cooldown, clock),
         }
-        self.metrics = RouterMetrics(lambda: len(self.conversations))
-        self.renewer = renewer
-        self.collector = collector
+        self.metrics = RouterMetrics(lambda: len(self.conversations),
+                                     lambda: self.limit.in_flight)
+        self.limit = ConcurrencyLimit(settings.max_concurrency, self.metrics.reject)
+        self.leases = LeaseKeeper(self.conversations, self.metrics,
+                                  settings.heartbeat_interval, renewer, collector)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -100,7 +100,7 @@ class Router:
         return self._session
 
     async def client_session(self, _app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0)  # vLLM queues requests itself
+        connector = aiohttp.TCPConnector(limit=0)  # bounded by max_concurrency (see module)
         async with aiohttp.ClientSession(connector=connector) as self._session:
             yield
         self._session = None
@@ -114,14 +114,18 @@ class Router:
                                          sock_read=s.request_timeout)
         return aiohttp.ClientTimeout(total=s.request_timeout, sock_connect=s.connect_timeout)
 
-    async def _open(self, role: Role, req: ProxyRequest, body: dict[str, Any],
+    async def _open(self, role: Role, req: ProxyRequest, body: bytes,
                     stream: bool) -> tuple[str, aiohttp.ClientResponse]:
-        """POST to the first server of ``role`` that accepts a connection."""
+        """POST the encoded ``body`` to the first server of ``role`` that accepts a
+        connection."""
         pool, refused = self.pools[role], []
+        headers = {"Content-Type": "application/json"}
+        if req.authorization is not None:
+            headers[AUTHORIZATION] = req.authorization
         for url in pool.candidates(req.conversation_id):
             try:
-                resp = await self.session.post(url + PATHS[req.endpoint], json=body,
-                                               timeout=self._timeout(stream))
+                resp = await self.session.post(url + PATHS[req.endpoint], data=body,
+                                               headers=headers, timeout=self._timeout(stream))
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
                 pool.mark_down(url)
                 refused.append(f"{url}: {e}")
@@ -136,11 +140,14 @@ class Router:
                           "backend_error")
 
     def _timed_out(self, role: Role, url: str) -> RouterError:
+        """Mark ``url`` down (a server too slow to answer is skipped like one that refuses);
+        returns the 504 to raise."""
+        self.pools[role].mark_down(url)
         return RouterError(504, f"{role} backend {url} did not answer within "
                            f"{self.settings.request_timeout:g}s", "timeout")
 
     async def _call_json(self, role: Role, req: ProxyRequest,
-                         body: dict[str, Any]) -> tuple[bytes, str, object]:
+                         body: bytes) -> tuple[bytes, str, object]:
         """A non-streamed call: (raw body, content type, parsed JSON)."""
         url, resp = await self._open(role, req, body, stream=False)
         async with resp:
@@ -187,7 +194,7 @@ class Router:
         return web.Response(body=data, content_type=content_type, headers=headers)
 
     async def _decode_stream(self, request: web.Request, req: ProxyRequest,
-                             body: dict[str, Any], handoff: dict[str, Any] | None,
+                             body: bytes, handoff: dict[str, Any] | None,
                              headers: dict[str, str], turn: Turn) -> web.StreamResponse:
         url, resp = await self._open("decode", req, body, stream=True)
         async with resp:
@@ -216,6 +223,8 @@ class Router:
             return False
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("decode stream from %s broke off: %r", url, e)
+            if isinstance(e, TimeoutError):  # silent for request_timeout: skip it a while
+                self.pools["decode"].mark_down(url)
             event = {"error": {"message": f"decode backend stream broke off: {e!r}",
                                "type": "backend_error", "code": 502}}
             try:
@@ -256,8 +265,7 @@ class Router:
     async def _serve(self, request: web.Request, endpoint: Endpoint,
                      turn: Turn) -> web.StreamResponse:
         try:
-            req = parse_request(endpoint, await read_body(request),
-                                request.headers.get(CONVERSATION_HEADER))
+            req = parse_request(endpoint, await read_body(request), request.headers)
             turn.conversation = req.conversation_id
             handoff = await self.prefill(req, turn)
             return await self.decode(request, req, handoff, turn)
@@ -267,7 +275,7 @@ class Router:
     def _finish(self, turn: Turn) -> None:
         self.metrics.observe(turn)
         log.info("conversation=%s endpoint=%s prefill_ms=%s restored_tokens=%d restore_ms=%.1f "
-                 "ttft_ms=%s status=%s%s", turn.conversation or "-", turn.endpoint,
+                 "ttft_ms=%s status=%s%s", _quoted(turn.conversation), turn.endpoint,
                  _ms(turn.prefill_s), turn.restored_tokens, turn.restore_ms, _ms(turn.ttft_s),
                  turn.status or "aborted", " stream_broken" if turn.stream_broken else "")
 
@@ -311,111 +319,14 @@ class Router:
             if state is None:
                 raise RouterError(404, f"conversation {cid!r} is unknown or expired",
                                   "not_found_error")
-            renewed = await self._renew_chain(cid, state.last_key)
+            renewed = await self.leases.renew_chain(cid, state.last_key)
         except RouterError as e:
             return e.response()
         self.conversations.touch(cid)
         return web.json_response({"renewed_chunks": renewed})
 
-    async def _renew_chain(self, cid: str, last_key: str | None) -> int:
-        if self.renewer is None:
-            raise RouterError(501, "lease renewal needs the router started with --tiers",
-                              "not_implemented_error")
-        if last_key is None:
-            return 0
-        try:
-            renewed = await asyncio.to_thread(self.renewer, last_key)
-        except ImportError as e:
-            raise RouterError(501, f"lease renewal is unavailable: {e}",
-                              "not_implemented_error") from None
-        except (TierError, OSError, ValueError) as e:  # ValueError: a malformed last_key
-            raise RouterError(502, f"renewing conversation {cid!r} failed: {e}",
-                              "backend_error") from None
-        self.metrics.renewed.inc(renewed)
-        return renewed
-
-    async def renew_all(self) -> int:
-        """One heartbeat: renew the chain of every live conversation; returns chunks renewed.
-        A failure is logged and the next conversation is tried (the heartbeat must go on)."""
-        total = 0
-        for cid, state in self.conversations.live():
-            try:
-                total += await self._renew_chain(cid, state.last_key)
-            except RouterError as e:
-                log.warning("lease heartbeat: %s", e.message)
-                if e.status == 501:
-                    break
-        return total
-
-    async def collect(self) -> int:
-        """Run the collector once; returns objects removed (0 without one, or on failure,
-        which is logged: the heartbeat must go on)."""
-        if self.collector is None:
-            return 0
-        try:
-            removed = await asyncio.to_thread(self.collector)
-        except (TierError, OSError, ImportError) as e:
-            log.warning("lease collector failed; retrying next heartbeat: %s", e)
-            return 0
-        self.metrics.expired.inc(removed)
-        return removed
-
-    async def beat_once(self) -> Beat:
-        """One heartbeat: renew every live conversation's chain, then collect what is past
-        its lease."""
-        renewed = await self.renew_all() if self.renewer is not None else 0
-        return Beat(renewed, await self.collect())
-
-    async def heartbeat(self, _app: web.Application) -> AsyncIterator[None]:
-        beating = self.renewer is not None or self.collector is not None
-        task = asyncio.create_task(self._beat()) if beating else None
-        yield
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval)
-            try:
-                beat = await self.beat_once()
-            except Exception:  # the heartbeat must outlive any one failure
-                log.exception("lease heartbeat failed; retrying next period")
-                continue
-            log.debug("lease heartbeat renewed %d chunks, expired %d objects",
-                      beat.renewed, beat.expired)
-
 
 ROUTER_KEY = web.AppKey("kvtier_router", Router)
-
-
-class TierRenewer:
-    """Renews lease chains on, and collects expired objects from, the shared tiers of a
-    kvtier config (blocking; call it from a worker thread). ``kvtier.lease`` is imported on
-    first use."""
-
-    def __init__(self, config: Path, clock: Clock) -> None:
-        from kvtier.build import build_lower_tiers
-        from kvtier.config import load_config
-
-        self.tiers = [lt.tier for lt in build_lower_tiers(load_config(config), clock)]
-
-    def __call__(self, last_key_hex: str) -> int:
-        from kvtier.lease import renew_chain
-
-        renewed: int = renew_chain(self.tiers, last_key_hex)
-        return renewed
-
-    def expire(self, lease_seconds: float) -> int:
-        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        from kvtier.lease import expire_all
-
-        removed: int = expire_all(self.tiers, lease_seconds)
-        return removed
-
-    def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
 
 
 def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
@@ -430,9 +341,13 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
         if collector is None and settings.collect:
             collector = functools.partial(owned.expire, settings.lease_seconds)
     router = Router(settings, clock, renewer, collector)
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    guards: list[Middleware] = [router.limit.middleware]  # authentication goes first
+    if settings.api_key is not None:
+        guards.insert(0, require_api_key(settings.api_key, router.metrics.reject))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=guards,
+                          handler_args={"handler_cancellation": True})  # see the module
     app[ROUTER_KEY] = router
-    app.cleanup_ctx.extend([router.client_session, router.heartbeat])
+    app.cleanup_ctx.extend([router.client_session, router.leases.heartbeat])
     if owned is not None:
         app.on_cleanup.append(lambda _app: asyncio.to_thread(owned.close))
     app.router.add_post(PATHS["completions"], router.completions)
@@ -445,3 +360,8 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _quoted(text: str | None) -> str:
+    """Client text for a log line: quoted and escaped, so it cannot forge fields or lines."""
+    return "-" if text is None else repr(text)

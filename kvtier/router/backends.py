@@ -5,8 +5,9 @@ Invariants:
 * Stickiness: a conversation goes to the server its ``stable_hash`` picks (the same on every
   router process), unless that server is cooling down; requests without a conversation go
   round-robin.
-* A server that refused a connection is skipped for ``cooldown`` seconds of the injected
-  ``Clock``; a successful health probe clears the mark at once.
+* A server that refused a connection or timed out (the caller decides which failures count
+  and calls ``mark_down``) is skipped for ``cooldown`` seconds of the injected ``Clock``; a
+  successful health probe clears the mark at once.
 * A backend's non-2xx answer maps to: 4xx passed through unchanged (``BackendRejected``),
   anything else a 502 ``RouterError`` carrying the backend's own message; no usable backend
   is a 503.
@@ -32,7 +33,8 @@ def stable_hash(text: str) -> int:
 
 class BackendPool:
     """The servers of one role. Picks round-robin, or by conversation hash (sticky); a
-    server that refused a connection is skipped for ``cooldown`` seconds."""
+    server marked down (refused a connection or timed out) is skipped for ``cooldown``
+    seconds."""
 
     def __init__(self, role: Role, urls: tuple[str, ...], cooldown: float, clock: Clock) -> None:
         self.role = role
@@ -51,8 +53,9 @@ class BackendPool:
         order = self.urls[start:] + self.urls[:start]
         healthy = [u for u in order if self._down_until.get(u, 0.0) <= now]
         if not healthy:
-            raise RouterError(503, f"no healthy {self.role} backend (all refused connections "
-                              f"in the last {self._cooldown:g}s: {', '.join(self.urls)})",
+            raise RouterError(503, f"no healthy {self.role} backend (all refused a connection "
+                              f"or timed out in the last {self._cooldown:g}s: "
+                              f"{', '.join(self.urls)})",
                               "service_unavailable")
         return healthy
 

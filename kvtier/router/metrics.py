@@ -60,7 +60,7 @@ class Turn:
 class RouterMetrics:
     """Prometheus metrics in a registry the router owns (see the module invariants)."""
 
-    def __init__(self, conversations: Callable[[], int]) -> None:
+    def __init__(self, conversations: Callable[[], int], in_flight: Callable[[], int]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvtier_router_requests_total", "Requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -79,9 +79,18 @@ class RouterMetrics:
         self.expired = Counter("kvtier_router_expired_objects_total",
                                "Objects past their lease the heartbeat's collector removed",
                                registry=r)
+        self.rejected = Counter("kvtier_router_rejected_total",
+                                "Requests refused before any work, by reason "
+                                "(unauthorized, overloaded)", ["reason"], registry=r)
         gauge = Gauge("kvtier_router_conversations", "Tracked (unexpired) conversations",
                       registry=r)
         gauge.set_function(lambda: float(conversations()))
+        busy = Gauge("kvtier_router_in_flight", "Requests being served (of --max-concurrency)",
+                     registry=r)
+        busy.set_function(lambda: float(in_flight()))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
 
     def observe(self, turn: Turn) -> None:
         self.requests.labels(turn.endpoint, str(turn.status or "aborted")).inc()

@@ -2,14 +2,23 @@
 
 Invariants:
 
-* Parsing never mutates what the client sent: ``ProxyRequest.body`` is the client's JSON
-  object minus ``conversation_id``; ``prefill_body``/``decode_body`` build new dicts.
+* A client body is parsed once and serialized once: ``ProxyRequest.rest`` is the client's
+  JSON object, minus ``conversation_id`` and the few small fields a prefill call changes
+  (``PHASE_FIELDS``, kept in ``ProxyRequest.own``), encoded when the request is parsed.
+  ``prefill_body``/``decode_body`` splice a small encoded object onto it; the prompt or
+  messages, which make up nearly all of a body (up to ``max_body_bytes``), are never
+  encoded again.
 * A prefill call always has ``stream=False``, ``max_tokens=1`` and
   ``kv_transfer_params={"kvtier": {"phase": "prefill"}}``; a decode call carries the
   prefill's ``namespace``/``tokens``/``last_key`` as ``expect`` (or no ``expect`` if the
   prefill server returned none). ``kv_transfer_params`` from clients are refused.
 * Every client error is a ``RouterError(400)`` (413 for an oversized body) whose message
   names the offending field; the router answers it as an OpenAI-style JSON error.
+* A conversation id is 1..``MAX_CONVERSATION_ID`` printable characters (no control or
+  format characters such as a newline or a bidi override), so it can be logged and used as
+  a map key; it is still logged quoted (``repr``), being the client's text.
+* The caller's ``Authorization`` header goes to both backends unchanged (vLLM servers
+  started with ``--api-key`` need it); no other client header is forwarded.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ Endpoint = Literal["completions", "chat"]
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 STATE_HEADER = "X-KVTier-Conversation"
+AUTHORIZATION = "Authorization"
 PATHS: Mapping[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REQUIRED: Mapping[Endpoint, str] = {"completions": "prompt", "chat": "messages"}
 MAX_CONVERSATION_ID = 256
@@ -33,13 +43,15 @@ MAX_CONVERSATION_ID = 256
 class RouterError(Exception):
     """An error the router answers itself, as an OpenAI-style JSON error."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-        return web.json_response(body, status=self.status)
+        return web.json_response(body, status=self.status, headers=self.headers)
 
 
 class BackendRejected(Exception):
@@ -56,12 +68,40 @@ class BackendRejected(Exception):
 # -- request parsing ---------------------------------------------------------------------
 
 
+# The client fields a prefill call changes or drops. All small; every other field (the
+# prompt or messages above all) is encoded once, into ``ProxyRequest.rest``.
+PHASE_FIELDS = ("stream", "stream_options", "min_tokens", "max_tokens", "max_completion_tokens")
+
+
 @dataclass(frozen=True)
 class ProxyRequest:
     endpoint: Endpoint
-    body: dict[str, Any]  # as the client sent it, minus ``conversation_id``; never mutated
     stream: bool
     conversation_id: str | None
+    own: Mapping[str, Any]  # the client's ``PHASE_FIELDS`` that it set; never mutated
+    rest: bytes  # every other client field but ``conversation_id``, as one JSON object
+    authorization: str | None = None  # the caller's header, forwarded to the backends
+
+
+def encode_json(doc: object) -> bytes:
+    """Compact UTF-8 JSON (``ensure_ascii`` would grow non-ASCII text up to 6x). A lone
+    surrogate (valid in JSON as an escape, not in UTF-8) is kept as its escape."""
+    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _splice(rest: bytes, fields: Mapping[str, Any]) -> bytes:
+    """The JSON object ``rest`` with ``fields`` (keys not in ``rest``) added, without
+    encoding ``rest`` again."""
+    extra = encode_json(dict(fields))
+    if extra == b"{}":
+        return rest
+    if rest == b"{}":
+        return extra
+    return rest[:-1] + b"," + extra[1:]
 
 
 def _bad(message: str) -> RouterError:
@@ -72,7 +112,10 @@ def _check_conversation_id(value: object, source: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _bad(f"{source} must be a non-empty string, got {value!r}")
     if len(value) > MAX_CONVERSATION_ID:
-        raise _bad(f"{source} must be at most {MAX_CONVERSATION_ID} characters")
+        raise _bad(f"{source} must be at most {MAX_CONVERSATION_ID} characters, "
+                   f"got {len(value)}")
+    if not value.isprintable():
+        raise _bad(f"{source} must not contain control or format characters, got {value!r}")
     return value
 
 
@@ -92,15 +135,16 @@ async def read_body(request: web.Request) -> bytes:
         raise RouterError(413, f"request body too large: {e.text}") from None
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, header_id: str | None) -> ProxyRequest:
-    """Validate a client body; raises ``RouterError(400)`` naming the offending field."""
+def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str]) -> ProxyRequest:
+    """Validate a client body (and its conversation header), and encode it for the backends
+    once; raises ``RouterError(400)`` naming the offending field."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise _bad(f"request body is not valid JSON: {e}") from None
     if not isinstance(doc, dict):
         raise _bad(f"request body must be a JSON object, got {type(doc).__name__}")
-    body: dict[str, Any] = dict(doc)
+    body: dict[str, Any] = doc  # freshly parsed: ours to change
     if REQUIRED[endpoint] not in body:
         raise _bad(f"'{REQUIRED[endpoint]}' is required for {PATHS[endpoint]}")
     stream = body.get("stream", False)
@@ -111,11 +155,14 @@ def parse_request(endpoint: Endpoint, raw: bytes, header_id: str | None) -> Prox
     if "kv_transfer_params" in body:
         raise _bad("'kv_transfer_params' is set by the router; remove it from the request")
     cid: str | None = None
+    header_id = headers.get(CONVERSATION_HEADER)
     if "conversation_id" in body:
         cid = _check_conversation_id(body.pop("conversation_id"), "'conversation_id'")
     elif header_id is not None:
         cid = _check_conversation_id(header_id, f"header {CONVERSATION_HEADER}")
-    return ProxyRequest(endpoint, body, stream, cid)
+    own = {k: body.pop(k) for k in PHASE_FIELDS if k in body}
+    return ProxyRequest(endpoint, stream, cid, own, encode_json(body),
+                        headers.get(AUTHORIZATION))
 
 
 def parse_renew(raw: bytes) -> str:
@@ -132,26 +179,26 @@ def parse_renew(raw: bytes) -> str:
 # -- backend bodies and answers ------------------------------------------------------------
 
 
-def prefill_body(req: ProxyRequest, *, reuse: bool = True) -> dict[str, Any]:
-    body = dict(req.body)
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("min_tokens", None)  # would exceed max_tokens=1 and be refused
-    body["max_tokens"] = 1
-    if req.endpoint == "chat" and "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
+def prefill_body(req: ProxyRequest, *, reuse: bool = True) -> bytes:
+    """The encoded prefill call: one unstreamed token (``stream_options`` and ``min_tokens``,
+    which would be refused with ``max_tokens=1``, are dropped)."""
+    fields: dict[str, Any] = {"stream": False, "max_tokens": 1}
+    limit = req.own.get("max_completion_tokens")
+    if limit is not None:  # chat's name for max_tokens; completions passes it on unchanged
+        fields["max_completion_tokens"] = 1 if req.endpoint == "chat" else limit
     kvtier: dict[str, Any] = {"phase": "prefill"}
     if not reuse:
         kvtier["load"] = False
-    body["kv_transfer_params"] = {"kvtier": kvtier}
-    return body
+    fields["kv_transfer_params"] = {"kvtier": kvtier}
+    return _splice(req.rest, fields)
 
 
-def decode_body(req: ProxyRequest, handoff: Mapping[str, Any] | None) -> dict[str, Any]:
+def decode_body(req: ProxyRequest, handoff: Mapping[str, Any] | None) -> bytes:
+    """The encoded decode call: the client's request plus the prefill's ``expect``."""
     kvtier: dict[str, Any] = {"phase": "decode"}
     if handoff is not None:
         kvtier["expect"] = {k: handoff.get(k) for k in ("namespace", "tokens", "last_key")}
-    return {**req.body, "kv_transfer_params": {"kvtier": kvtier}}
+    return _splice(req.rest, {**req.own, "kv_transfer_params": {"kvtier": kvtier}})
 
 
 def kvtier_params(doc: object) -> dict[str, Any] | None:

@@ -1,166 +1,34 @@
-"""The router against small fault-injecting OpenAI-subset backends (no vLLM).
-
-Each test runs one event loop with ``asyncio.run``: fake prefill/decode servers on
-ephemeral ports, and the router in-process through ``aiohttp.test_utils``. Time-dependent
-behaviour (conversation TTL) is driven by a ``ManualClock``; timeouts are short settings,
-never sleeps.
-"""
+"""The router's P/D hand-off, streaming, leases, faults, health and flags, against the
+fake backends of ``tests.router.fakes`` (see there how tests drive time)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
-import hashlib
-import json
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
-from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey
-from kvtier.router import RouterSettings, add_arguments, settings_from_args
-from kvtier.router.app import ROUTER_KEY, Beat, Collector, build_app
+from kvtier.router import add_arguments, settings_from_args
+from kvtier.router.app import ROUTER_KEY
+from kvtier.router.leases import Beat
 from kvtier.tiers.file import FileTier
+from tests.router.fakes import (
+    Backend,
+    completion_of,
+    harness,
+    key_of,
+    post,
+    run,
+    stream_text,
+)
 from tests.tiers.harness import make_key, meta_for, payload_for
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def completion_of(prompt: str, n_words: int = 6) -> list[str]:
-    """The fake model's deterministic answer to ``prompt``, as its stream pieces."""
-    digest = hashlib.sha256(prompt.encode()).hexdigest()
-    return [f" w{digest[i * 4:i * 4 + 4]}" for i in range(n_words)]
-
-
-def key_of(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def prompt_of(body: dict[str, Any]) -> str:
-    if "messages" in body:
-        return "\n".join(str(m.get("content", "")) for m in body["messages"])
-    return str(body["prompt"])
-
-
-@dataclass
-class Backend:
-    """A fake vLLM server. ``mode``: ok, fail500, reject400, hang, break (mid-stream)."""
-
-    mode: str = "ok"
-    health: int = 200
-    barrier: asyncio.Barrier | None = None  # streams wait here until all have arrived
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    last_key: str | None = None  # report this chain end instead of a hash of the text
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.generate)
-        app.router.add_post("/v1/chat/completions", self.generate)
-        app.router.add_get("/health", self.get_health)
-        return app
-
-    async def get_health(self, _request: web.Request) -> web.Response:
-        return web.json_response({}, status=self.health)
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if self.mode == "hang":
-            await self.release.wait()  # set at teardown; the router gives up long before
-        if self.mode == "fail500":
-            return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
-        if self.mode == "reject400":
-            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
-        prompt = prompt_of(body)
-        pieces = completion_of(prompt)[: body.get("max_tokens") or 6]
-        if body.get("stream"):
-            return await self.stream(request, pieces)
-        phase = body["kv_transfer_params"]["kvtier"]["phase"]
-        text = prompt if phase == "prefill" else prompt + "".join(pieces)
-        params = {"namespace": "ab" * 8, "tokens": len(text),
-                  "last_key": self.last_key or key_of(text),
-                  "expires_at": 0.0, "restored_tokens": 7, "restored_by_tier": {"file1": 7},
-                  "restore_ms": 12.5}
-        return web.json_response({"choices": [{"text": "".join(pieces)}],
-                                  "kv_transfer_params": {"kvtier": params}})
-
-    async def stream(self, request: web.Request, pieces: list[str]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if self.barrier is not None:
-            await asyncio.wait_for(self.barrier.wait(), 10)
-        for i, piece in enumerate(pieces):
-            await resp.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-            if self.mode == "break" and i == 1:
-                raise ConnectionResetError("fake backend died mid-stream")
-            await asyncio.sleep(0)  # yield, so concurrent streams interleave
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-
-@dataclass
-class Harness:
-    client: TestClient[web.Request, web.Application]
-    prefill: Backend
-    decode: Backend
-    clock: ManualClock
-    renewed: list[str]
-
-
-@asynccontextmanager
-async def harness(prefill: Backend | None = None, decode: Backend | None = None,
-                  decode_urls: tuple[str, ...] | None = None, real_tiers: bool = False,
-                  collector: Collector | None = None,
-                  **settings: Any) -> AsyncIterator[Harness]:
-    prefill, decode = prefill or Backend(), decode or Backend()
-    servers = [TestServer(prefill.app()), TestServer(decode.app())]
-    for s in servers:
-        await s.start_server()
-    clock, renewed = ManualClock(), []
-
-    def renewer(last_key: str) -> int:
-        renewed.append(last_key)
-        return 3
-
-    cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
-                         decode=decode_urls or (str(servers[1].make_url("")),), **settings)
-    app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer,
-                    collector=collector)
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
-        yield Harness(client, prefill, decode, clock, renewed)
-    finally:
-        prefill.release.set()
-        decode.release.set()
-        await client.close()
-        for s in servers:
-            await s.close()
-
-
-def run(scenario: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(scenario())  # type: ignore[arg-type]
-
-
-async def post(h: Harness, body: object, path: str = "/v1/completions",
-               **headers: str) -> tuple[int, Any, dict[str, str]]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with h.client.post(path, data=data, headers=headers) as resp:
-        text = await resp.text()
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            doc = text
-        return resp.status, doc, dict(resp.headers)
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -176,6 +44,10 @@ async def post(h: Harness, body: object, path: str = "/v1/completions",
     ({"prompt": "x", "max_tokens": True}, "/v1/completions", "'max_tokens'"),
     ({"prompt": "x", "conversation_id": ""}, "/v1/completions", "'conversation_id'"),
     ({"prompt": "x", "conversation_id": 5}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "conversation_id": "c\nstatus=200"}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "conversation_id": "\x1b[2Jc"}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "conversation_id": "\u202ec"}, "/v1/completions", "'conversation_id'"),
+    ({"prompt": "x", "conversation_id": "c" * 257}, "/v1/completions", "'conversation_id'"),
     ({"prompt": "x", "kv_transfer_params": {}}, "/v1/completions", "kv_transfer_params"),
 ])
 def test_malformed_requests_are_400_with_a_message(body: object, path: str,
@@ -257,21 +129,6 @@ def test_decode_without_prefill_params_gets_a_bare_phase() -> None:
     run(scenario)
 
 
-async def stream_text(h: Harness, prompt: str, cid: str | None) -> tuple[int, str, bytes]:
-    body: dict[str, Any] = {"prompt": prompt, "stream": True}
-    if cid is not None:
-        body["conversation_id"] = cid
-    async with h.client.post("/v1/completions", json=body) as resp:
-        raw = await resp.read()
-    text = ""
-    for event in raw.decode().split("\n\n"):
-        payload = event.removeprefix("data: ")
-        if event.startswith("data: ") and payload != "[DONE]":
-            for choice in json.loads(payload).get("choices", []):  # an error event has none
-                text += choice.get("text", "")
-    return resp.status, text, raw
-
-
 def test_streaming_passes_the_sse_bytes_through() -> None:
     async def scenario() -> None:
         async with harness() as h:
@@ -331,6 +188,7 @@ def test_conversations_expire_after_the_ttl_of_the_injected_clock() -> None:
 
 @pytest.mark.parametrize(("body", "status"), [
     (b"nope", 400), (b"{}", 400), ({"conversation_id": ""}, 400),
+    ({"conversation_id": "c\r\nforged"}, 400),
     ({"conversation_id": "never-seen"}, 404),
 ])
 def test_renew_endpoint_errors(body: object, status: int) -> None:
@@ -348,7 +206,7 @@ def test_heartbeat_renews_every_live_conversation() -> None:
             h.clock.advance(50.0)
             await post(h, {"prompt": "b", "conversation_id": "new"})
             h.clock.advance(45.0)  # "old" is past its 90 s ttl
-            assert await h.client.app[ROUTER_KEY].renew_all() == 3
+            assert await h.client.app[ROUTER_KEY].leases.renew_all() == 3
             assert h.renewed == [key_of("b" + "".join(completion_of("b")))]
     run(scenario)
 
@@ -397,7 +255,7 @@ def test_heartbeat_renews_live_chains_then_collects_only_objects_past_the_lease(
             now = h.clock.wall()
             for key, mtime in ((live, now - 101.0), (old, now - 101.0), (fresh, now - 99.0)):
                 os.utime(paths[key], (mtime, mtime))
-            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=1, expired=1)
+            assert await h.client.app[ROUTER_KEY].leases.beat_once() == Beat(renewed=1, expired=1)
             assert not paths[old].exists()
             assert paths[live].exists() and paths[fresh].exists()
             async with h.client.get("/metrics") as resp:
@@ -415,7 +273,7 @@ def test_no_collect_leaves_objects_past_the_lease(tmp_path: Path) -> None:
                            collect=False) as h:
             then = h.clock.wall() - 1000.0
             os.utime(paths[old], (then, then))
-            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=0, expired=0)
+            assert await h.client.app[ROUTER_KEY].leases.beat_once() == Beat(renewed=0, expired=0)
             assert paths[old].exists()
     run(scenario)
 
@@ -428,7 +286,7 @@ def test_a_failing_collector_is_logged_and_the_heartbeat_goes_on(
     async def scenario() -> None:
         async with harness(collector=collector) as h:
             await post(h, {"prompt": "a", "conversation_id": "c"})
-            assert await h.client.app[ROUTER_KEY].beat_once() == Beat(renewed=3, expired=0)
+            assert await h.client.app[ROUTER_KEY].leases.beat_once() == Beat(renewed=3, expired=0)
             assert len(h.renewed) == 1
     run(scenario)
     assert "lease collector failed" in caplog.text and "store unmounted" in caplog.text
@@ -554,3 +412,4 @@ def test_no_collect_flag_turns_the_collector_off() -> None:
     urls = ["--prefill", "http://p", "--decode", "http://d"]
     assert settings_from_args(parser.parse_args(urls)).collect is True
     assert settings_from_args(parser.parse_args([*urls, "--no-collect"])).collect is False
+

@@ -1,0 +1,97 @@
+"""Who may call the router, and how many requests it serves at once: two aiohttp middlewares.
+
+Invariants:
+
+* Open routes (``OPEN_PATHS``: ``/health`` and ``/metrics``) are never authenticated nor
+  limited, as vLLM leaves its own ``/health`` and ``/metrics`` open: probes and scrapers
+  need no key, and neither page names a conversation.
+* With an API key configured, every other route (the proxied completions, the lease
+  renewal, and unknown paths) answers 401 unless the request carries
+  ``Authorization: Bearer <key>``. The key is compared in constant time
+  (``hmac.compare_digest``) and never logged. A refused request reaches no backend and no
+  conversation state, and every refusal is the same answer, so a caller without the key
+  cannot learn whether a conversation id exists.
+* Authentication runs before the limit: a refused request takes no slot.
+* At most ``limit`` requests hold a slot at once; one more is answered 503 with
+  ``Retry-After`` at once, never queued. A slot is given back exactly once when its request
+  ends, however it ends (answer, error, cancelled because the client went away).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from kvtier.router.protocol import AUTHORIZATION, RouterError
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+RETRY_AFTER_SECONDS = 1
+
+Rejected = Callable[[str], None]  # called with the reason of each refusal, for the metrics
+
+
+def is_open(request: web.Request) -> bool:
+    """Whether ``request`` was routed to an open page (by its matched route, not raw path)."""
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical in OPEN_PATHS
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else ``None``."""
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def require_api_key(api_key: str, rejected: Rejected) -> Middleware:
+    """A middleware answering 401 to any request to a non-open route without the key."""
+    expected = api_key.encode()
+    refusal = RouterError(401, f"missing or wrong API key: send '{AUTHORIZATION}: Bearer "
+                          "<key>' with the key the router was started with",
+                          "authentication_error", {"WWW-Authenticate": "Bearer"})
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if is_open(request):
+            return await handler(request)
+        token = bearer_token(request.headers.get(AUTHORIZATION))
+        if token is None or not hmac.compare_digest(token.encode(), expected):
+            rejected("unauthorized")
+            return refusal.response()
+        return await handler(request)
+
+    return authenticate
+
+
+class ConcurrencyLimit:
+    """Counts the requests being served; refuses (503, ``Retry-After``) one past ``limit``.
+
+    Used from the event loop's thread only, so the count needs no lock."""
+
+    def __init__(self, limit: int, rejected: Rejected) -> None:
+        if limit < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+        self._rejected = rejected
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if is_open(request):
+            return await handler(request)
+        if self.in_flight >= self.limit:
+            self._rejected("overloaded")
+            return RouterError(503, f"the router is serving {self.limit} requests, its "
+                               "--max-concurrency; retry shortly", "service_unavailable",
+                               {"Retry-After": str(RETRY_AFTER_SECONDS)}).response()
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
