@@ -13,9 +13,14 @@ Invariants:
   straight into a caller's buffer and ranged GETs can start at a known byte.
 * The payload checksum is computed by the writer from the bytes it writes, never taken on
   trust from the caller.
-* Every read is verified: magic, version, header schema, key, namespace, total length and
-  payload checksum (xxh3-64). Any mismatch raises ``CorruptObject``; callers turn that into
-  a miss. Bytes that fail verification are never handed out.
+* Every read is verified: magic, version, header schema (exact types, values in range),
+  key, namespace, total length, that the payload fits the reader's buffer, and payload
+  checksum (xxh3-64). A reader that knows what it expects (``ChunkSpec``: namespace,
+  tokens, dtype, shape, payload length) also gets those checked, so a self-consistent
+  object of another geometry, or a short one, is rejected too.
+* Whatever is wrong with the bytes, decoding raises ``CorruptObject`` and nothing else
+  (no ``OverflowError``, ``MemoryError`` or ``ValueError`` from a hostile header); callers
+  turn it into a counted miss. Bytes that fail verification are never handed out.
 * The header is msgpack of plain types only. No pickle anywhere.
 """
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import xxhash
@@ -35,6 +40,11 @@ OBJECT_VERSION = 1
 _PREFIX = struct.Struct("<6sHI")
 HEADER_SPAN = 4096
 MAX_HEADER = HEADER_SPAN - _PREFIX.size
+_U64 = 2**64
+MAX_PAYLOAD = 2**48  # far above any chunk; bounds every size a header can claim
+_MAX_DIMS = 8
+_MAX_TEXT = 64  # dtype names are short ("bfloat16", "float8_e4m3fn")
+_Sized = TypeVar("_Sized", bytes, str, list[Any])
 
 
 class CorruptObject(Exception):
@@ -44,6 +54,23 @@ class CorruptObject(Exception):
 def checksum(payload: Any) -> int:
     """xxh3-64 of a buffer (bytes, memoryview, numpy array)."""
     return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def _field(d: dict[Any, Any], name: str, kind: type[_Sized], limit: int) -> _Sized:
+    """``d[name]``, checked to be a ``kind`` of at most ``limit`` items."""
+    value = d.get(name)
+    if not isinstance(value, kind):
+        raise CorruptObject(f"header field {name!r}: {type(value).__name__}, not {kind.__name__}")
+    if len(value) > limit:
+        raise CorruptObject(f"header field {name!r} is too long")
+    return value
+
+
+def _count(value: Any, name: str, limit: int = MAX_PAYLOAD) -> int:
+    """``value``, checked to be an int (a bool is not) in ``[0, limit)``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+        raise CorruptObject(f"header field {name!r} is not a count in range: {value!r:.40}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -72,28 +99,68 @@ class ChunkMeta:
 
     @classmethod
     def from_wire(cls, d: Any) -> tuple[ChunkMeta, int]:
-        """Parse a wire header into ``(meta, payload_checksum)``."""
-        try:
-            ns, key, parent = d["ns"], d["key"], d["parent"]
-            meta = cls(
-                namespace=bytes(ns),
-                key=ChunkKey(bytes(key)),
-                parent=ChunkKey(bytes(parent)) if parent else None,
-                num_tokens=int(d["ntok"]),
-                dtype=str(d["dtype"]),
-                shape=tuple(int(x) for x in d["shape"]),
-                payload_len=int(d["plen"]),
-            )
-            csum = int(d["csum"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptObject(f"header schema: {e!r}") from None
-        if len(meta.key) != KEY_BYTES or meta.payload_len < 0 or meta.num_tokens < 0:
-            raise CorruptObject("header values out of range")
-        return meta, csum
+        """Parse a wire header into ``(meta, payload_checksum)``; ``CorruptObject`` on
+        anything else than the exact schema ``to_wire`` writes, values in range."""
+        if type(d) is not dict:
+            raise CorruptObject(f"header is a {type(d).__name__}, not a map")
+        key = _field(d, "key", bytes, KEY_BYTES)
+        parent = _field(d, "parent", bytes, KEY_BYTES)
+        shape = _field(d, "shape", list, _MAX_DIMS)
+        if len(key) != KEY_BYTES or len(parent) not in (0, KEY_BYTES):
+            raise CorruptObject("header key or parent has the wrong length")
+        meta = cls(
+            namespace=_field(d, "ns", bytes, MAX_HEADER),
+            key=ChunkKey(key),
+            parent=ChunkKey(parent) if parent else None,
+            num_tokens=_count(d.get("ntok"), "ntok"),
+            dtype=_field(d, "dtype", str, _MAX_TEXT),
+            shape=tuple(_count(x, "shape") for x in shape),
+            payload_len=_count(d.get("plen"), "plen"),
+        )
+        return meta, _count(d.get("csum"), "csum", _U64)
 
     @property
     def object_len(self) -> int:
         return HEADER_SPAN + self.payload_len
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What a reader expects every chunk of one engine to be: all of ``ChunkMeta`` but
+    the key and parent. A chunk that differs in any field is not served."""
+
+    namespace: bytes
+    num_tokens: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload_len: int
+
+    def meta(self, key: ChunkKey, parent: ChunkKey | None) -> ChunkMeta:
+        """The meta of chunk ``key`` (after ``parent``) written under this spec."""
+        return ChunkMeta(
+            self.namespace, key, parent, self.num_tokens, self.dtype, self.shape, self.payload_len
+        )
+
+    def check(self, meta: ChunkMeta) -> None:
+        """Raise ``CorruptObject`` naming every field where ``meta`` differs."""
+        why = self.mismatch(meta)
+        if why is not None:
+            raise CorruptObject(why)
+
+    def mismatch(self, meta: ChunkMeta) -> str | None:
+        """Every field where ``meta`` differs, in words; ``None`` if it matches."""
+        wrong = [
+            f"{name} {got!r} != {want!r}"
+            for name, got, want in (
+                ("namespace", meta.namespace, self.namespace),
+                ("num_tokens", meta.num_tokens, self.num_tokens),
+                ("dtype", meta.dtype, self.dtype),
+                ("shape", meta.shape, self.shape),
+                ("payload_len", meta.payload_len, self.payload_len),
+            )
+            if got != want
+        ]
+        return "chunk is not what this reader expects: " + ", ".join(wrong) if wrong else None
 
 
 def encode_header(meta: ChunkMeta, payload: Any) -> bytes:
@@ -114,12 +181,37 @@ def decode_header(
     *,
     expect_key: ChunkKey | None = None,
     expect_namespace: bytes | None = None,
+    expect: ChunkSpec | None = None,
     object_len: int | None = None,
+    max_payload: int | None = None,
 ) -> tuple[ChunkMeta, int]:
     """Parse and check a header span into ``(meta, payload_checksum)``.
 
-    Raises ``CorruptObject`` on any mismatch.
+    ``max_payload`` is the reader's buffer size: a larger payload is corrupt, not an
+    error of the reader. Raises ``CorruptObject`` on any mismatch, and nothing else.
     """
+    try:
+        meta, csum = _decode(span)
+    except CorruptObject:
+        raise
+    except Exception as e:  # any surprise from hostile bytes is corruption, not a crash
+        raise CorruptObject(f"undecodable header: {type(e).__name__}") from None
+    if expect_key is not None and meta.key != expect_key:
+        raise CorruptObject(f"header key {meta.key.hex()} != requested {expect_key.hex()}")
+    if expect_namespace is not None and meta.namespace != expect_namespace:
+        raise CorruptObject("header is from another namespace")
+    if expect is not None:
+        expect.check(meta)
+    if object_len is not None and object_len != meta.object_len:
+        raise CorruptObject(f"object is {object_len} bytes, header says {meta.object_len}")
+    if max_payload is not None and meta.payload_len > max_payload:
+        raise CorruptObject(
+            f"payload of {meta.payload_len} bytes does not fit the {max_payload}-byte buffer"
+        )
+    return meta, csum
+
+
+def _decode(span: bytes | memoryview) -> tuple[ChunkMeta, int]:
     if len(span) < HEADER_SPAN:
         raise CorruptObject(f"truncated header: {len(span)} < {HEADER_SPAN} bytes")
     magic, version, hlen = _PREFIX.unpack_from(span, 0)
@@ -132,15 +224,8 @@ def decode_header(
     try:
         wire = msgpack.unpackb(bytes(span[_PREFIX.size : _PREFIX.size + hlen]), raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise CorruptObject(f"header is not msgpack: {e!r}") from None
-    meta, csum = ChunkMeta.from_wire(wire)
-    if expect_key is not None and meta.key != expect_key:
-        raise CorruptObject(f"header key {meta.key.hex()} != requested {expect_key.hex()}")
-    if expect_namespace is not None and meta.namespace != expect_namespace:
-        raise CorruptObject("header is from another namespace")
-    if object_len is not None and object_len != meta.object_len:
-        raise CorruptObject(f"object is {object_len} bytes, header says {meta.object_len}")
-    return meta, csum
+        raise CorruptObject(f"header is not msgpack: {type(e).__name__}") from None
+    return ChunkMeta.from_wire(wire)
 
 
 def verify_payload(meta: ChunkMeta, payload_checksum: int, payload: Any) -> None:

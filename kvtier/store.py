@@ -16,6 +16,14 @@ Invariants:
   store is a cache: losing a chunk costs a recompute, serving a wrong one is never allowed).
 * A store queue that is full drops the write and counts it (``kvtier_drops_total``).
 * Chunks promoted from a lower tier are clean: they are already stored below.
+* ``load(keys, expect)`` serves a chunk only if it is what the reader expects (``ChunkSpec``:
+  namespace, tokens, dtype, shape, payload length), host hits included: the worker copies
+  whole slots, so a short or foreign chunk would hand it stale bytes. A mismatch is a
+  counted corruption and a miss that ends the prefix; the lower tiers also remove the object
+  (only if it is still the one read).
+* ``load`` leaks nothing: a promotion slot is committed or aborted, never left WRITING, and
+  a future that fails (only a bug can make it) holds no pins; one that succeeds holds
+  exactly the slots in its ``Pinned``, to be released once.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import numpy as np
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
-from kvtier.objformat import ChunkMeta
+from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.tiers.base import PutStatus, SharedTier, Tier, WriteMode
 from kvtier.tiers.host import HostTier
 
@@ -230,62 +238,92 @@ class TieredStore:
         record_drop(reason)
 
     # -- reads -------------------------------------------------------------------------
-    def load(self, keys: Sequence[ChunkKey]) -> Future[Pinned]:
+    def load(
+        self, keys: Sequence[ChunkKey], expect: ChunkSpec | None = None
+    ) -> Future[Pinned]:
         """Pin the longest stored prefix of ``keys`` in host slots, promoting as needed.
 
         Host hits are pinned at once; lower-tier hits are read on the IO pool (loads run
-        before stores). The future never raises for storage faults: a chunk that cannot
-        be read ends the prefix.
+        before stores). With ``expect``, only chunks that match it are served: a host slot
+        or object of another namespace, token count, dtype, shape or payload length is a
+        counted miss. The future never raises for storage faults or bad objects: a chunk
+        that cannot be read ends the prefix. If it raises anyway (a bug), it holds no pins.
         """
+        if expect is not None and expect.payload_len > self.host.slot_bytes:
+            raise ValueError(
+                f"expected chunks of {expect.payload_len} bytes do not fit the host tier's "
+                f"{self.host.slot_bytes}-byte slots"
+            )
         pinned = Pinned(self)
-        for key in keys:
-            got = self.host.acquire(key)
-            if got is None:
-                break
-            pinned.slots.append(got)
-            pinned.from_tier.append(HOST)
-        rest = list(keys[len(pinned.slots) :])
-        if not rest:
-            done: Future[Pinned] = Future()
-            done.set_result(pinned)
-            return done
-        return self.io.submit_load(lambda: self._promote(pinned, rest))
+        try:
+            for key in keys:
+                got = self.host.acquire(key, expect)
+                if got is None:
+                    break
+                pinned.slots.append(got)
+                pinned.from_tier.append(HOST)
+            rest = list(keys[len(pinned.slots) :])
+            if not rest:
+                done: Future[Pinned] = Future()
+                done.set_result(pinned)
+                return done
+            return self.io.submit_load(lambda: self._promote(pinned, rest, expect))
+        except BaseException:
+            pinned.release()
+            raise
 
-    def _promote(self, pinned: Pinned, keys: list[ChunkKey]) -> Pinned:
-        for key in keys:
-            got = self._promote_one(key)
-            if got is None:
-                break
-            pinned.slots.append(got[0])
-            pinned.from_tier.append(got[1])
+    def _promote(
+        self, pinned: Pinned, keys: list[ChunkKey], expect: ChunkSpec | None
+    ) -> Pinned:
+        try:
+            for key in keys:
+                got = self._promote_one(key, expect)
+                if got is None:
+                    break
+                pinned.slots.append(got[0])
+                pinned.from_tier.append(got[1])
+        except BaseException:
+            pinned.release()  # the caller gets the exception, and no pins to release
+            raise
         return pinned
 
-    def _promote_one(self, key: ChunkKey) -> tuple[tuple[int, ChunkMeta], int] | None:
+    def _promote_one(
+        self, key: ChunkKey, expect: ChunkSpec | None
+    ) -> tuple[tuple[int, ChunkMeta], int] | None:
         for i, lt in enumerate(self.lower, start=1):
             if lt.tier.contains_prefix([key]) == 0:
                 continue
-            probe = ChunkMeta(b"", key, None, 0, "uint8", (0,), 0)
-            r = self.host.reserve(probe)
-            if r is None:
-                got = self.host.acquire(key)  # promoted concurrently by someone else
+            r = self.host.reserve(ChunkMeta(b"", key, None, 0, "uint8", (0,), 0))
+            if r is None:  # promoted concurrently by someone else
+                got = self.host.acquire(key, expect)
                 return (got, HOST) if got is not None else None
-            try:
-                meta = lt.tier.get_into(key, self.host.view(r.slot).data)
-            except BaseException:
-                self.host.abort(r.slot)
-                raise
-            if meta is None:
-                self.host.abort(r.slot)
+            if not self._fill(r.slot, key, lt.tier, expect):
                 continue
-            self.host.index.set_meta(r.slot, meta)
-            self.host.commit(r.slot, dirty=False)
-            got = self.host.acquire(key)
+            got = self.host.acquire(key, expect)
             return (got, i) if got is not None else None
         return None
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+    def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
+        """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean) if the
+        tier returned verified bytes, else abort it. The slot is never left WRITING."""
+        try:
+            meta = tier.get_into(key, self.host.view(slot).data, expect=expect)
+            if meta is not None:
+                self.host.index.set_meta(slot, meta)
+        except BaseException:
+            self.host.abort(slot)
+            raise
+        if meta is None:
+            self.host.abort(slot)
+            return False
+        self.host.commit(slot, dirty=False)
+        return True
+
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
         """Synchronous read of one chunk from the highest tier that has it."""
-        pinned = self.load([key]).result()
+        pinned = self.load([key], expect).result()
         try:
             if not pinned.slots:
                 return None

@@ -6,18 +6,32 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.clock import ManualClock
 from kvtier.iopool import IOPool
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta, ChunkSpec, checksum
 from kvtier.store import HOST, LowerTier, TieredStore, WritePolicy
+from kvtier.tiers.base import PutStatus
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import HostTier
-from tests.tiers.harness import PAYLOAD, make_key, meta_for, payload_for
+from tests.tiers.harness import (
+    PAYLOAD,
+    SPEC,
+    drain_host,
+    make_key,
+    meta_for,
+    payload_for,
+    raw_object,
+    spec_for,
+)
 
 
 def _store(tmp: Path, host_slots: int, write: WritePolicy, *, queue: int = 64) -> TieredStore:
@@ -174,3 +188,134 @@ def test_rewrite_through_is_one_queued_job_however_long_the_prompt(tmp_path: Pat
             assert s.drops == before + 1
     finally:
         s.close()
+
+
+# -- validate before bytes reach the KV cache ----------------------------------------------
+def _file_of(store: TieredStore) -> FileTier:
+    tier = store.lower[0].tier
+    assert isinstance(tier, FileTier)
+    return tier
+
+
+def _wire_of(i: int, **changes: Any) -> dict[str, Any]:
+    key = make_key(i)
+    wire = meta_for(key).to_wire(checksum(payload_for(key)))
+    wire.update(changes)
+    return wire
+
+
+_BIG = payload_for(make_key(1), 2 * PAYLOAD)
+
+
+@pytest.mark.parametrize(
+    ("wire", "payload"),
+    [
+        (_wire_of(1, ns=2**63), bytes(payload_for(make_key(1)))),  # OverflowError
+        (_wire_of(1, ntok=float("inf")), bytes(payload_for(make_key(1)))),  # OverflowError
+        # A valid object whose payload is bigger than a host slot ("buffer too small").
+        (_wire_of(1, plen=2 * PAYLOAD, shape=[2 * PAYLOAD], csum=checksum(_BIG)), bytes(_BIG)),
+    ],
+    ids=["huge-ns", "infinite-ntok", "payload-bigger-than-slot"],
+)
+def test_hostile_object_below_is_a_counted_miss_and_leaks_no_pin(
+    through: TieredStore, wire: dict[str, Any], payload: bytes
+) -> None:
+    file = _file_of(through)
+    assert _put(through, 0)  # a host hit, pinned before the promotion starts
+    file.path_of(make_key(1)).parent.mkdir(parents=True, exist_ok=True)
+    file.path_of(make_key(1)).write_bytes(raw_object(wire, payload))
+    file.put(meta_for(make_key(2)), payload_for(make_key(2)).data)
+    through.flush()
+    pinned = through.load([make_key(i) for i in range(3)]).result(timeout=30)
+    assert pinned.from_tier == [HOST]  # the bad chunk ends the prefix
+    pinned.release()
+    assert file.metrics.counts.corruptions == 1
+    assert not file.path_of(make_key(1)).exists()  # removed, not served again
+    drain_host(through.host)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"namespace": b"", "payload_len": 0, "shape": (0,)},  # short: stale bytes would follow
+        {"dtype": "made-up"},
+        {"num_tokens": 7},
+        {"shape": (2, PAYLOAD // 2)},
+        {"namespace": b"\x01" * 16},
+        {"payload_len": PAYLOAD - 1, "shape": (PAYLOAD - 1,)},
+    ],
+    ids=repr,
+)
+def test_object_not_matching_spec_is_not_promoted(
+    through: TieredStore, changes: dict[str, Any]
+) -> None:
+    file = _file_of(through)
+    key = make_key(1)
+    meta = replace(meta_for(key), **changes)
+    assert file.put(meta, payload_for(key, meta.payload_len).data) is PutStatus.STORED
+    pinned = through.load([key], SPEC).result(timeout=30)
+    assert len(pinned) == 0
+    assert file.metrics.counts.corruptions == 1
+    assert not file.path_of(key).exists()
+    assert not through.host.index.contains(key)
+    drain_host(through.host)
+
+
+def test_host_slot_not_matching_spec_is_dropped_and_promoted_again(
+    through: TieredStore,
+) -> None:
+    key = make_key(0)
+    _file_of(through).put(meta_for(key), payload_for(key).data)  # a good copy below
+    assert through.host.put(replace(meta_for(key), dtype="float16"), payload_for(key).data)
+    pinned = through.load([key], SPEC).result(timeout=30)
+    try:
+        assert pinned.from_tier == [1]
+        assert pinned.slots[0][1] == meta_for(key)
+        np.testing.assert_array_equal(pinned.view(0), payload_for(key))
+    finally:
+        pinned.release()
+    assert through.host.metrics.counts.corruptions == 1
+    drain_host(through.host)
+
+
+def test_matching_spec_serves_host_and_lower_hits(through: TieredStore) -> None:
+    for i in range(6):  # the first two are evicted from the 4-slot host, kept below
+        _put(through, i)
+        through.flush()
+    keys = [make_key(i) for i in (4, 5, 0, 1)]
+    pinned = through.load(keys, SPEC).result(timeout=30)
+    try:
+        assert pinned.from_tier == [HOST, HOST, 1, 1]
+        for j, key in enumerate(keys):
+            np.testing.assert_array_equal(pinned.view(j), payload_for(key))
+    finally:
+        pinned.release()
+    drain_host(through.host)
+
+
+class _BrokenReads(FileTier):
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
+        raise RuntimeError("a bug in a tier")
+
+
+def test_unexpected_error_while_promoting_releases_every_pin(tmp_path: Path) -> None:
+    host = HostTier(4 * PAYLOAD, PAYLOAD)
+    file = _BrokenReads(tmp_path / "file", 1 << 30, clock=ManualClock())
+    s = TieredStore(host, [LowerTier(file, WritePolicy.THROUGH)], IOPool(2, 64))
+    try:
+        assert _put(s, 0)
+        file.put(meta_for(make_key(1)), payload_for(make_key(1)).data)
+        s.flush()
+        fut = s.load([make_key(0), make_key(1)])
+        with pytest.raises(RuntimeError, match="a bug in a tier"):
+            fut.result(timeout=30)
+        drain_host(host)  # the host hit's pin was released, the staging slot aborted
+    finally:
+        s.close()
+
+
+def test_spec_bigger_than_a_slot_is_refused_at_once(through: TieredStore) -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        through.load([make_key(0)], spec_for(PAYLOAD + 1))

@@ -6,7 +6,10 @@ Invariants every implementation keeps (checked by ``tests/tiers/contract.py``):
 * ``WriteMode.CREATE`` never replaces an existing object; ``OVERWRITE`` always does.
 * ``get_into`` either fills ``dst[:meta.payload_len]`` with verified bytes and returns the
   meta, or returns ``None`` (a miss). Corrupt objects are counted, removed, and reported
-  as misses; bytes that failed verification are never returned as a hit.
+  as misses; bytes that failed verification are never returned as a hit. With ``expect``
+  (a ``ChunkSpec``) a chunk that differs from it in namespace, tokens, dtype, shape or
+  payload length is such a miss too. So is a payload larger than ``dst`` (for an object
+  of a persistent tier, also a corruption: its header disagrees with the reader's geometry).
 * ``contains_prefix(keys)`` is the length of the longest prefix of ``keys`` that is
   present. It answers the prefix-cache question in one call.
 * Faults of the backing store (disk full, endpoint down) are counted and turn into
@@ -21,7 +24,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey
-from kvtier.objformat import ChunkMeta
+from kvtier.objformat import ChunkMeta, ChunkSpec
 
 
 class WriteMode(StrEnum):
@@ -62,7 +65,9 @@ class Tier(Protocol):
 
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int: ...
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None: ...
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None: ...
 
     def put(
         self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE

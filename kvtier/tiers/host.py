@@ -4,11 +4,12 @@ Composes a ``SlotIndex`` (keys, states, recency) with a ``HostPool`` (bytes). Be
 copying ``Tier`` methods it offers zero-copy access for the connector and the store:
 ``reserve``/``commit``/``abort`` to fill a slot in place, and ``acquire``/``release`` to
 read one in place. Host memory is trusted, so reads are not checksummed; persistent tiers
-checksum everything.
+checksum everything. A reader's ``ChunkSpec`` is still checked against the slot's meta.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -16,11 +17,13 @@ import numpy as np
 
 from kvtier.keys import ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.objformat import ChunkMeta
+from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.policy import EvictionPolicy, LRUPolicy
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierUsage, WriteMode
 from kvtier.tiers.pool import Allocator, HostPool
 from kvtier.tiers.slots import Reservation, SlotIndex
+
+log = logging.getLogger("kvtier.host")
 
 
 class HostTier:
@@ -68,8 +71,23 @@ class HostTier:
     def abort(self, slot: int) -> None:
         self.index.abort(slot)
 
-    def acquire(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
-        return self.index.acquire(key)
+    def acquire(
+        self, key: ChunkKey, expect: ChunkSpec | None = None
+    ) -> tuple[int, ChunkMeta] | None:
+        """Pin ``key``'s slot for reading; ``None`` on a miss. With ``expect``, a slot whose
+        meta differs is not pinned: it is counted as a corruption and dropped unless
+        another reader holds it (dropping costs a recompute at worst)."""
+        got = self.index.acquire(key)
+        if got is None or expect is None:
+            return got
+        why = expect.mismatch(got[1])
+        if why is None:
+            return got
+        self.index.release(got[0])
+        self.metrics.corrupt()
+        log.warning("host chunk %s not served: %s", key.hex(), why)
+        self.index.remove(key)
+        return None
 
     def release(self, slot: int) -> None:
         self.index.release(slot)
@@ -81,14 +99,19 @@ class HostTier:
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
         return self.index.contains_prefix(keys)
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
         t0 = time.perf_counter()
-        got = self.index.acquire(key)
+        got = self.acquire(key, expect)
         if got is None:
             self.metrics.miss()
             return None
         slot, meta = got
         try:
+            if meta.payload_len > memoryview(dst).nbytes:  # the caller's buffer is too small
+                self.metrics.miss()
+                return None
             out = np.frombuffer(dst, dtype=np.uint8, count=meta.payload_len)
             np.copyto(out, self.pool.view(slot, meta.payload_len))
         finally:
@@ -121,7 +144,9 @@ class HostTier:
         return PutStatus.STORED
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
-        return sum(self.index.remove(k) for k in keys)
+        n = sum(self.index.remove(k) for k in keys)
+        self.metrics.used(len(self.index) * self.pool.slot_bytes)
+        return n
 
     def scan(self) -> Iterator[ObjectInfo]:
         for _, meta in self.index.entries():

@@ -12,9 +12,10 @@ Invariants:
   ago; OVERWRITE is a plain put. Objects above ``multipart_threshold`` go up as a
   multipart upload with parallel parts.
 * A GET is ranged GETs streamed straight into the caller's buffer, in parallel above
-  ``part_size``, all from one object version. Header and payload are verified before the
-  meta is returned. A corrupt object is counted and deleted, but only if it is still the
-  version that was read (``If-Match``); a version replaced mid-read is a plain miss.
+  ``part_size``, all from one object version. Header and payload (and the reader's
+  ``ChunkSpec``, when given) are verified before the meta is returned. A corrupt object
+  is counted and deleted, but only if it is still the version that was read
+  (``If-Match``); a version replaced mid-read is a plain miss.
 * Recency is shared by all nodes: a hit rewrites the object's ``kvtier-used`` metadata
   (kvtier's wall clock) with a server-side copy onto itself, at most once per
   ``touch_interval``; that also refreshes LastModified for listings.
@@ -58,6 +59,7 @@ from kvtier.metrics import TierMetrics
 from kvtier.objformat import (
     HEADER_SPAN,
     ChunkMeta,
+    ChunkSpec,
     CorruptObject,
     decode_header,
     encode_header,
@@ -268,7 +270,9 @@ class S3Tier:
                 return i
         return len(keys)
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
         t0 = time.perf_counter()
         dst = as_bytes_view(dst)
         name = self.object_name(key)
@@ -290,11 +294,9 @@ class S3Tier:
             return None
         try:
             span = head[: min(total, HEADER_SPAN)]
-            meta, csum = decode_header(span, expect_key=key, object_len=total)
-            if meta.payload_len > dst.nbytes:
-                raise ValueError(
-                    f"buffer of {dst.nbytes} bytes is too small for a {meta.payload_len}-byte chunk"
-                )
+            meta, csum = decode_header(
+                span, expect_key=key, expect=expect, object_len=total, max_payload=dst.nbytes
+            )
             verify_payload(meta, csum, dst[: meta.payload_len])
         except CorruptObject as e:
             self._quarantine(key, name, etag, str(e))

@@ -13,7 +13,8 @@ Invariants:
 * ``write`` with ``create=True`` is conditional (``If-None-Match: *``) and raises
   ``Exists`` instead of replacing an object. A failed multipart upload is aborted.
 * Endpoint faults propagate as botocore exceptions (``S3_ERRORS``), after botocore's own
-  retries; ``describe`` names them without quoting requests or credentials.
+  retries; ``describe`` names them without quoting requests or credentials. A size the
+  endpoint reports that is not a byte count is such a fault too (``BadAnswer``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ MiB = 2**20
 MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
 MAX_PARTS = 10_000
 READ_SLICE = MiB  # NOTE: urllib3's readinto reads into a temporary first; bound its size
-S3_ERRORS = (BotoCoreError, ClientError)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -49,6 +49,22 @@ class Changed(Exception):
 
 class Exists(Exception):
     """A conditional create found the object already there."""
+
+
+class BadAnswer(Exception):
+    """The endpoint answered a GET with a size it cannot mean: a fault like any other
+    (it is one of ``S3_ERRORS``), never a crash of the read path."""
+
+
+def parse_size(value: object) -> int:
+    """A byte count the endpoint reported (``Content-Range`` total, ``Content-Length``)."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()):  # rejects "*" (unknown), "-1", "None"
+        raise BadAnswer(f"size {text[:32]!r}")
+    return int(text)
+
+
+S3_ERRORS = (BotoCoreError, ClientError, BadAnswer)
 
 
 @dataclass(frozen=True)
@@ -253,16 +269,16 @@ class ObjectIO:
                 raise
             # The range starts past the end; a range from 0 can only miss an empty object.
             size = e.response["Error"].get("ActualObjectSize")
-            total = int(str(size)) if size is not None else (0 if start == 0 else None)
+            total = parse_size(size) if size is not None else (0 if start == 0 else None)
             return _Range(start, end, total, None, 0)
         try:
             content_range = r.get("ContentRange")  # "bytes 0-99/1234"; absent if Range ignored
             if content_range:
-                total = int(content_range.rsplit("/", 1)[1])
+                total = parse_size(content_range.rsplit("/", 1)[-1])
                 if not content_range.startswith(f"bytes {start}-"):
                     raise Changed  # not the bytes asked for: never write them into place
             elif start == 0:
-                total = r["ContentLength"]  # the whole object
+                total = parse_size(r.get("ContentLength"))  # the whole object
             else:
                 raise Changed
             got = stream_into(r["Body"], spans(head, body, start, end))

@@ -207,6 +207,11 @@ class SlotIndex:
                 out.append((slot, meta))
             return out
 
+    def num_readers(self) -> int:
+        """Reads in progress over all slots (acquired and not yet released)."""
+        with self._lock:
+            return sum(s.readers for s in self._slots)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_key)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import msgpack
 import numpy as np
 
 from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.objformat import HEADER_SPAN, ChunkMeta
+from kvtier.objformat import HEADER_SPAN, MAGIC, OBJECT_VERSION, ChunkMeta, ChunkSpec
 from kvtier.tiers.base import Tier
+from kvtier.tiers.host import HostTier
 
 PAYLOAD = 64 * 1024
 NS = Namespace(
@@ -47,6 +51,31 @@ def meta_for(key: ChunkKey, n: int = PAYLOAD, *, namespace: bytes = NS_DIGEST) -
         shape=(n,),
         payload_len=n,
     )
+
+
+def spec_for(n: int = PAYLOAD) -> ChunkSpec:
+    """What a reader of ``meta_for(key, n)`` chunks expects."""
+    return ChunkSpec(NS_DIGEST, 128, "uint8", (n,), n)
+
+
+SPEC = spec_for()
+
+
+def raw_object(wire: Any, payload: bytes = b"", *, version: int = OBJECT_VERSION) -> bytes:
+    """An object with any msgpack-able ``wire`` header, valid or not, padded to the span
+    as a writer would (longer headers are left unpadded)."""
+    body: bytes = msgpack.packb(wire, use_bin_type=True)
+    head = struct.pack("<6sHI", MAGIC, version, len(body)) + body
+    return head + bytes(max(0, HEADER_SPAN - len(head))) + payload
+
+
+def drain_host(host: HostTier) -> None:
+    """Remove every chunk from ``host``, asserting that no slot is still pinned (readers
+    back at zero), being written or dirty: what a leak-free load leaves behind."""
+    assert host.index.clean_or_free() == host.index.num_slots, "a slot is WRITING or dirty"
+    for _, meta in host.index.entries():
+        assert host.index.remove(meta.key), f"chunk {meta.key.hex()} is still pinned"
+    assert len(host.index) == 0
 
 
 #: How a test damages a stored object: (tier, key, kind) with kind one of

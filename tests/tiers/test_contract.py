@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import PutStatus, Tier, WriteMode
-from tests.tiers.harness import PAYLOAD, TierHarness, make_key, meta_for, payload_for
+from tests.tiers.harness import (
+    PAYLOAD,
+    SPEC,
+    TierHarness,
+    make_key,
+    meta_for,
+    payload_for,
+)
 
 
 def _get(tier: Tier, key: ChunkKey, n: int = PAYLOAD) -> np.ndarray | None:
@@ -137,3 +146,37 @@ def test_concurrent_readers_and_writers_never_see_mixed_bytes(harness: TierHarne
     assert errors == []
     for i in keys:
         np.testing.assert_array_equal(_get(tier, make_key(i)), payload_for(make_key(i)))
+
+
+def test_chunk_matching_the_readers_spec_is_served(harness: TierHarness) -> None:
+    tier = harness.make(10 * harness.object_bytes())
+    key = make_key(1)
+    _put(tier, 1)
+    buf = np.zeros(PAYLOAD, dtype=np.uint8)
+    assert tier.get_into(key, buf.data, expect=SPEC) == meta_for(key)
+    np.testing.assert_array_equal(buf, payload_for(key))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"dtype": "float16"}, {"num_tokens": 1}, {"namespace": b""}, {"shape": (1, PAYLOAD)}],
+    ids=repr,
+)
+def test_chunk_not_matching_the_readers_spec_is_a_counted_miss_and_is_removed(
+    harness: TierHarness, changes: dict[str, Any]
+) -> None:
+    tier = harness.make(10 * harness.object_bytes())
+    key = make_key(1)
+    _put(tier, 1)
+    buf = np.zeros(PAYLOAD, dtype=np.uint8)
+    assert tier.get_into(key, buf.data, expect=replace(SPEC, **changes)) is None
+    counts = tier.metrics.counts  # type: ignore[attr-defined]
+    assert (counts.corruptions, counts.misses, counts.hits) == (1, 1, 0)
+    assert tier.contains_prefix([key]) == 0
+
+
+def test_payload_bigger_than_the_buffer_is_a_miss_not_an_error(harness: TierHarness) -> None:
+    tier = harness.make(10 * harness.object_bytes())
+    _put(tier, 1)
+    assert _get(tier, make_key(1), PAYLOAD - 1) is None
+    assert tier.metrics.counts.misses == 1  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from kvtier.clock import ManualClock
 from kvtier.testing.s3server import MotoServer, dummy_credentials
 from kvtier.tiers.base import PutStatus, TierError, WriteMode
 from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3io import MiB
+from kvtier.tiers.s3io import BadAnswer, MiB, parse_size
 from tests.tiers.harness import make_key, meta_for, payload_for
 from tests.tiers.s3_harness import BUCKET, fresh_prefix, raw_client, shared_endpoint
 
@@ -226,3 +226,10 @@ def test_collection_spares_objects_another_node_used(endpoint: str) -> None:
     assert a.metrics.counts.evictions == 2
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("answer", ["*", "-1", "", "None", "\u00b2", "1e3", None])
+def test_a_size_that_is_not_a_byte_count_is_a_fault_not_a_crash(answer: object) -> None:
+    with pytest.raises(BadAnswer):
+        parse_size(answer)
+    assert parse_size("1234") == parse_size(1234) == 1234
