@@ -31,6 +31,8 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
             name=f"file{index}",
             fsync=spec.fsync,
             touch_interval=spec.touch_interval,
+            mode=spec.mode,
+            temp_grace=spec.temp_grace_seconds,
             clock=clock,
             setting=f"{setting}.file",
         )

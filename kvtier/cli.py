@@ -105,9 +105,10 @@ def cmd_stats(cfg: KVTierConfig, args: argparse.Namespace) -> int:
 def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     lease = cfg.retention.lease_seconds
     for tier in _lower_tiers(cfg, args.tier):
-        temps = tier.remove_stale_temps() if isinstance(tier, FileTier) else 0
         expired = tier.expire(lease) if args.expired else 0
         freed = tier.collect()
+        # Opening the tier scanned it and removed temp files past file.temp_grace_seconds.
+        temps = tier.removed_temps if isinstance(tier, FileTier) else 0
         u = tier.usage()
         print(f"{tier.name}: freed {format_size(freed)}, removed {temps} stale temp files"
               + (f" and {expired} objects past their {lease:.0f} s lease" if args.expired else "")

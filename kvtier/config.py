@@ -3,8 +3,10 @@
 Invariants:
 
 * Unknown keys are errors, everywhere (``extra="forbid"``).
-* Every error names the field path and the bad value, e.g.
-  ``tiers[1].s3.bucket: Field required``, and the whole list is reported at once.
+* Every error names the field path and what is wrong, e.g.
+  ``tiers[1].s3.bucket: Field required``, and the whole list is reported at once. No
+  error ever quotes an input value: a secret typed in the wrong place (a key under a
+  tier) must not reach a log. YAML syntax errors give the line and column, not the text.
 * Sizes are written like ``32GiB``; they must be positive and below ``MAX_SIZE``.
 * Overrides come from ``KVTIER__A__B=value`` environment variables and from dotted keys
   (``{"restore.recompute_threshold_tokens": 32}``) given by the vLLM connector; both are
@@ -28,6 +30,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from kvtier.sizes import parse_size
 
@@ -37,16 +40,42 @@ ENV_PREFIX = "KVTIER__"
 
 def _size(value: Any) -> int:
     if isinstance(value, str | int) and not isinstance(value, bool):
-        n = parse_size(value)
+        try:
+            n = parse_size(value)
+        except ValueError:  # its message quotes the value
+            raise ValueError("expected a size such as '32GiB' or a byte count") from None
         if n <= 0:
-            raise ValueError(f"size must be > 0, got {value!r}")
+            raise ValueError("size must be > 0")
         if n > MAX_SIZE:
-            raise ValueError(f"size {value!r} is absurd (over 1PiB)")
+            raise ValueError("size is absurd (over 1PiB)")
         return n
-    raise ValueError(f"expected a size such as '32GiB', got {value!r}")
+    raise ValueError("expected a size such as '32GiB'")
 
 
 Size = Annotated[int, BeforeValidator(_size)]
+
+
+def _file_mode(value: Any) -> int:
+    """Permissions of the files a file tier writes: an octal string ("0640") or an int."""
+    if isinstance(value, str) and value.strip():
+        digits = value.strip().lower().removeprefix("0o")
+        if not digits or digits.strip("01234567"):
+            raise ValueError('expected an octal permission string such as "0600"')
+        value = int(digits, 8)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError('expected an octal permission string such as "0600"')
+    if not 0 <= value <= 0o777:
+        raise ValueError('must be a permission from "0000" to "0777"; quote it in YAML')
+    if value & 0o600 != 0o600:
+        raise ValueError('must let the owner read and write ("0600" at least)')
+    if value & 0o111:
+        raise ValueError("must not set execute bits (directories get them from read bits)")
+    if value & 0o002:
+        raise ValueError("must not be world-writable: anyone could plant KV that is served")
+    return value
+
+
+FileMode = Annotated[int, BeforeValidator(_file_mode)]
 
 
 class _Model(BaseModel):
@@ -64,6 +93,11 @@ class FileConfig(_Model):
     write: Literal["back", "through"] = "back"
     fsync: bool = True
     touch_interval: float = Field(60.0, ge=0)
+    #: Files are owner-only by default; directories kvtier creates get x where r is set.
+    mode: FileMode = 0o600
+    #: A temp file not written to for this long is an abandoned write (its writer died,
+    #: on any node): removed by the start scan and the collector.
+    temp_grace_seconds: float = Field(600.0, gt=0)
 
 
 class S3Config(_Model):
@@ -112,18 +146,33 @@ class RestoreConfig(_Model):
     #: P/D decode node: how long to wait for the chunks the prefill node announced
     #: (``kv_transfer_params``) to become visible in the shared tier before computing.
     wait_seconds: float = Field(10.0, ge=0, le=600)
+    #: ``auto`` (``kvtier.costmodel``): restore only if estimated >= this fraction cheaper
+    #: than recomputing the same tokens.
+    auto_margin: float = Field(0.1, ge=0, lt=1)
+    #: ``auto``: engine steps with prefill work to observe before trusting the estimates;
+    #: until then every stored prefix is restored (the fixed-threshold behaviour).
+    auto_warmup_steps: int = Field(20, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _non_negative(self) -> RestoreConfig:
         t = self.recompute_threshold_tokens
         if isinstance(t, int) and t < 0:
-            raise ValueError(f"recompute_threshold_tokens must be >= 0, got {t}")
+            raise ValueError("recompute_threshold_tokens must be >= 0")
         return self
 
 
 class RetentionConfig(_Model):
     lease_seconds: float = Field(480.0, gt=0)
-    renew_on_access: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "renew_on_access" in data:
+            raise ValueError(
+                "renew_on_access was removed: every read renews an object's lease (at most "
+                "once per touch_interval), as the lease is its recency; delete the key"
+            )
+        return data
 
 
 class KVTierConfig(_Model):
@@ -165,17 +214,28 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+_CREDENTIAL_WORDS = ("secret", "access_key", "password", "token", "credential")
+
+
+def _message(e: ErrorDetails) -> str:
+    """What is wrong, never the value: it may be a secret typed in the wrong place."""
+    if e["type"] == "extra_forbidden":
+        name = str(e["loc"][-1]).lower() if e["loc"] else ""
+        if any(word in name for word in _CREDENTIAL_WORDS):
+            return "unknown key; credentials never go here (S3 uses the boto3 chain: env, ~/.aws)"
+        return "unknown key; remove it or check its spelling"
+    msg = e["msg"].removeprefix("Value error, ")
+    value = e.get("input")
+    if isinstance(value, str) and len(value) >= 4 and value in msg:
+        return f"invalid value ({e['type']}; the value is not shown)"
+    return msg
+
+
 def _format(err: ValidationError, source: str) -> ConfigError:
     lines = []
-    for e in err.errors():
+    for e in err.errors(include_url=False, include_context=False):
         loc = _loc(tuple(p for p in e["loc"] if not str(p).startswith("function-")))
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check its spelling"
-        value = e.get("input")
-        hide = e["type"] == "missing" or isinstance(value, dict | list) or repr(value) in msg
-        got = "" if hide else f" (got {value!r})"
-        lines.append(f"{loc}: {msg}{got}")
+        lines.append(f"{loc}: {_message(e)}")
     return ConfigError(f"invalid kvtier config {source}:\n  " + "\n  ".join(lines))
 
 
@@ -209,7 +269,10 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for name, raw in env.items():
         if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-            out[dotted] = yaml.safe_load(raw)
+            try:
+                out[dotted] = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(f"{name}: not a valid YAML value") from None
     return out
 
 
@@ -246,6 +309,9 @@ def load_config(
         raise ConfigError(f"cannot read kvtier config {p}: {e.strerror}") from None
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"kvtier config {p} is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # str(e) quotes the offending line: it may hold a secret
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ConfigError(f"kvtier config {p} is not valid YAML{where}: {problem}") from None
     return parse_config(doc, source=str(p), overrides=overrides, environ=environ)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,64 @@ tiers:
 """)
     assert main(["check", cfg, "--chunk-size", "1MiB"]) == EXIT_RESOURCE
     assert "tiers[1].file.path" in capsys.readouterr().err
+
+
+def test_a_missing_shared_directory_exits_3_and_is_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = tmp_path / "mnt" / "nfs" / "kvtier-pd"  # the mount is missing
+    cfg = _cfg(tmp_path, f"""
+tiers:
+  - host: {{capacity: 8MiB}}
+  - file: {{path: {shared}, capacity: 1GiB, write: through}}
+""")
+    assert main(["check", cfg, "--chunk-size", "1MiB"]) == EXIT_RESOURCE
+    err = capsys.readouterr().err
+    assert "tiers[1].file.path" in err and "does not exist" in err and "mount" in err
+    assert not (tmp_path / "mnt").exists()
+
+
+def test_the_shipped_pd_config_fails_clearly_without_its_share(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "pd-shared.yaml"
+    if Path("/mnt/nfs").exists():
+        pytest.skip("/mnt/nfs exists on this machine")
+    assert main(["stats", str(cfg)]) == EXIT_RESOURCE
+    assert "tiers[1].file.path: /mnt/nfs/kvtier-pd does not exist" in capsys.readouterr().err
+
+
+def test_a_misplaced_secret_is_not_echoed(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzSECRETKEY"
+    cfg = _cfg(tmp_path, f"""
+tiers:
+  - host: {{capacity: 8MiB}}
+  - file: {{path: {tmp_path}, capacity: 1GiB, aws_secret_access_key: {secret}}}
+""")
+    assert main(["check", cfg]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "tiers[1].file.aws_secret_access_key: unknown key" in err
+    assert secret not in err
+
+
+def test_gc_reports_stale_temp_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.tiers.file import FileTier
+    from tests.tiers.harness import make_key
+
+    tier = FileTier(tmp_path / "store", 1 << 30)
+    leaf = tier.path_of(make_key(0)).parent
+    leaf.mkdir(parents=True)
+    stale, young = leaf / ".a.kv.dead-1.0001.tmp", leaf / ".b.kv.live-2.0002.tmp"
+    for p in (stale, young):
+        p.write_bytes(b"x" * 100)
+    long_ago = time.time() - 700  # past file.temp_grace_seconds (600)
+    os.utime(stale, (long_ago, long_ago))
+    cfg = _cfg(tmp_path, f"""
+tiers:
+  - host: {{capacity: 8MiB}}
+  - file: {{path: {tmp_path / 'store'}, capacity: 1GiB, temp_grace_seconds: 600}}
+""")
+    assert main(["gc", cfg]) == EXIT_OK
+    assert "removed 1 stale temp files" in capsys.readouterr().out
+    assert not stale.exists() and young.exists()

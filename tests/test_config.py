@@ -81,3 +81,108 @@ def test_env_and_dotted_overrides_are_validated() -> None:
     with pytest.raises(ConfigError, match="no list item"):
         parse_config({"tiers": [{"host": {"capacity": "1GiB"}}]},
                      overrides={"tiers.5.host.capacity": 1}, environ={})
+
+
+# -- errors never quote a value (a misplaced secret must not reach vLLM's log) -----------
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzSECRETKEY"
+
+
+def _with_file(**file: object) -> dict[str, object]:
+    return {"tiers": [{"host": {"capacity": "1GiB"}},
+                      {"file": {"path": "/x", "capacity": "1GiB", **file}}]}
+
+
+@pytest.mark.parametrize(("doc", "path"), [
+    (_with_file(aws_secret_access_key=SECRET),
+     "tiers[1].file.aws_secret_access_key: unknown key; credentials never go here"),
+    ({**BASE, "aws_secret_access_key": SECRET}, "aws_secret_access_key: unknown key"),
+    (_with_file(capacity=SECRET), "tiers[1].file.capacity: expected a size"),
+    (_with_file(fsync=SECRET), "tiers[1].file.fsync: "),
+    (_with_file(write=SECRET), "tiers[1].file.write: "),
+    (_with_file(touch_interval=SECRET), "tiers[1].file.touch_interval: "),
+    (_with_file(mode=SECRET), "tiers[1].file.mode: expected an octal permission"),
+    ({**BASE, "chunk_tokens": SECRET}, "chunk_tokens: Input should be a valid integer"),
+    ({**BASE, "copy_backend": SECRET}, "copy_backend: "),
+    ({"tiers": [{"host": {"capacity": "1GiB", "pinned": SECRET}}]}, "tiers[0].host.pinned: "),
+    ({**BASE, "restore": {"recompute_threshold_tokens": SECRET}},
+     "restore.recompute_threshold_tokens"),
+    ({"tiers": [{"host": {"capacity": "1GiB"}},
+                {"s3": {"bucket": SECRET * 2, "capacity": "1GiB"}}]}, "tiers[1].s3.bucket: "),
+    ({"tiers": [{"host": {"capacity": "1GiB"}},
+                {"s3": {"bucket": "b-1", "capacity": "1GiB", "region": {"k": SECRET}}}]},
+     "tiers[1].s3.region: "),
+])
+def test_errors_name_the_field_but_never_the_value(doc: dict[str, object], path: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc, environ={})
+    assert path in str(e.value)
+    assert SECRET not in str(e.value)
+    assert "wJalr" not in str(e.value)
+
+
+def test_yaml_and_env_errors_never_quote_the_text(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"tiers:\n  - host: {{capacity: 1GiB, key: {SECRET}\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+, column \d+") as e:
+        load_config(bad)
+    assert SECRET not in str(e.value)
+    with pytest.raises(ConfigError, match="KVTIER__TIERS__1__FILE__PATH") as e:
+        parse_config(BASE, environ={"KVTIER__TIERS__1__FILE__PATH": f"[{SECRET}"})
+    assert SECRET not in str(e.value)
+
+
+# -- file tier keys -----------------------------------------------------------------------
+@pytest.mark.parametrize(("given", "mode"), [
+    (None, 0o600), ("0640", 0o640), ("0o660", 0o660), ("600", 0o600), (0o644, 0o644),
+])
+def test_file_mode_is_octal_and_owner_only_by_default(given: object, mode: int) -> None:
+    cfg = parse_config(_with_file() if given is None else _with_file(mode=given), environ={})
+    spec = cfg.tiers[1].file
+    assert spec is not None and spec.mode == mode
+
+
+def test_file_mode_unquoted_in_yaml_is_octal(tmp_path: Path) -> None:
+    p = tmp_path / "k.yaml"
+    p.write_text("tiers:\n  - host: {capacity: 1GiB}\n"
+                 "  - file: {path: /x, capacity: 1GiB, mode: 0640}\n")
+    spec = load_config(p, environ={}).tiers[1].file
+    assert spec is not None and spec.mode == 0o640
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("rw-r-----", "octal permission string"),
+    ("0o", "octal permission string"),
+    (600, "from \"0000\" to \"0777\""),  # unquoted decimal 600 is 0o1130
+    ("0400", "owner read and write"),
+    ("0700", "execute bits"),
+    ("0666", "world-writable"),
+    (True, "octal permission string"),
+    (1.5, "octal permission string"),
+])
+def test_bad_file_modes_name_the_field(given: object, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(_with_file(mode=given), environ={})
+    assert "tiers[1].file.mode: " in str(e.value)
+    assert message in str(e.value)
+
+
+def test_temp_grace_is_positive() -> None:
+    spec = parse_config(_with_file(), environ={}).tiers[1].file
+    assert spec is not None and spec.temp_grace_seconds == 600
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.file\.temp_grace_seconds: "):
+        parse_config(_with_file(temp_grace_seconds=0), environ={})
+
+
+def test_renew_on_access_is_refused_with_the_reason() -> None:
+    for value in (True, False):
+        with pytest.raises(ConfigError, match=r"retention: renew_on_access was removed: every "
+                                              r"read renews"):
+            parse_config({**BASE, "retention": {"renew_on_access": value}}, environ={})
+    assert parse_config({**BASE, "retention": {"lease_seconds": 60}}, environ={})
+
+
+def test_the_shipped_pd_config_shares_a_directory_outside_tmp() -> None:
+    spec = load_config(CONFIGS / "pd-shared.yaml", environ={}).tiers[1].file
+    assert spec is not None and spec.write == "through"
+    assert spec.path.is_absolute()
+    assert not spec.path.is_relative_to("/tmp") and not spec.path.is_relative_to("/var/tmp")

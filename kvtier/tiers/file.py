@@ -8,7 +8,13 @@ Invariants, chosen to hold on NFS with several writers:
 * Writes go to a unique temp file in the object's own directory, are fsynced, then
   published with ``link`` (CREATE: fails if present) or ``rename`` (OVERWRITE). Readers never
   see a partial object; a writer killed mid-write leaves only a ``.tmp`` file that readers
-  ignore and ``gc`` removes.
+  ignore. Temp files count against capacity while they exist; one not written to for
+  ``temp_grace`` seconds (its mtime, so any node's) is removed by the start scan and the
+  collector. A write that outlives the grace period fails; it never publishes.
+* Files get exactly ``mode`` before they are published, directories kvtier creates the
+  same plus x where r is set (0600 -> 0700), whatever the umask. Reads never follow a
+  symlink nor block on a FIFO or device: anything but a regular file named like an object
+  is a miss, counted as corrupt and removed; scans skip such entries and symlinked dirs.
 * No ``flock``, no ``atime``: recency is the file's mtime, set explicitly with ``utime`` on
   a hit (at most once per ``touch_interval``). Every node sees it, so LRU collection is
   correct for the shared directory.
@@ -29,6 +35,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -39,32 +46,20 @@ from kvtier.metrics import TierMetrics
 from kvtier.objformat import (
     HEADER_SPAN,
     ChunkMeta,
+    ChunkSpec,
     CorruptObject,
     decode_header,
     encode_header,
     verify_payload,
 )
+from kvtier.tiers import fsutil
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierError, TierUsage, WriteMode
-from kvtier.tiers.recency import RecencyIndex
+from kvtier.tiers.recency import RecencyIndex, TempIndex
 
 log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
-
-
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    """Write every byte of ``parts``; short writes are continued, never ignored."""
-    pending = [p for p in parts if p.nbytes]
-    while pending:
-        n = os.writev(fd, pending)
-        while n and pending:
-            if n >= pending[0].nbytes:
-                n -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
 
 
 def _read_exact(fd: int, dst: memoryview) -> int:
@@ -87,6 +82,8 @@ class FileTier:
         fsync: bool = True,
         touch_interval: float = 60.0,
         low_watermark: float = 0.9,
+        mode: int = 0o600,
+        temp_grace: float = 600.0,
         clock: Clock = SYSTEM_CLOCK,
         setting: str = "file",
     ) -> None:
@@ -97,10 +94,14 @@ class FileTier:
         self._fsync = fsync
         self._touch_interval = touch_interval
         self._low_watermark = low_watermark
+        self._mode, self._dir_mode = mode, fsutil.dir_mode(mode)
+        self._temp_grace = temp_grace
         self._clock = clock
         self._tag = f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = TierMetrics(name)
         self._recency = RecencyIndex()
+        self._temps = TempIndex()
+        self.removed_temps = 0  # stale temp files this instance removed (start scan included)
         self._check_writable(setting)
         self.rescan()
 
@@ -109,11 +110,19 @@ class FileTier:
         return self._name
 
     def _check_writable(self, setting: str) -> None:
+        """Create ``root`` (not its parents: a missing shared mount must not silently
+        become a local directory) and ``root/kv``, then write and remove a probe file."""
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            fsutil.make_dir(self.root, self._dir_mode)
+            fsutil.make_dir(self._dir, self._dir_mode)
             probe = self._dir / f".probe.{self._tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
-            probe.write_bytes(b"kvtier")
+            os.close(os.open(probe, fsutil.CREATE_FLAGS, self._mode))
             probe.unlink()
+        except FileNotFoundError as e:
+            raise TierError(
+                f"{setting}.path: {self.root} does not exist and neither does its parent; "
+                "mount the shared directory (or create it) first"
+            ) from e
         except OSError as e:
             raise TierError(
                 f"{setting}.path: {self.root} is not a writable directory ({e.strerror}); "
@@ -126,27 +135,51 @@ class FileTier:
 
     # -- index ---------------------------------------------------------------------------
     def _walk(self) -> Iterator[os.DirEntry[str]]:
+        """Entries of the leaf directories, and files in ``kv/`` itself (probes).
+        Symlinked directories are not followed."""
         for d1 in os.scandir(self._dir):
-            if not d1.is_dir() or len(d1.name) != 2:
+            if not d1.is_dir(follow_symlinks=False):
+                yield d1
+                continue
+            if len(d1.name) != 2:
                 continue
             for d2 in os.scandir(d1.path):
-                if d2.is_dir() and len(d2.name) == 2:
+                if d2.is_dir(follow_symlinks=False) and len(d2.name) == 2:
                     yield from os.scandir(d2.path)
 
     def rescan(self) -> None:
-        """Rebuild the index from what is on disk (other nodes' writes included)."""
+        """Rebuild the index from what is on disk (other nodes' writes included), and
+        remove temp files past the grace period."""
+        self._scan()
+        self._sweep_temps(self._temp_grace)
+
+    def _scan(self) -> None:
         found: list[tuple[float, ChunkKey, int]] = []
+        temps: list[tuple[str, int, float]] = []
         for entry in self._walk():
-            if not entry.name.endswith(_SUFFIX):
+            temp = entry.name.endswith(_TMP_SUFFIX)
+            if not temp and not entry.name.endswith(_SUFFIX):
                 continue
             try:
-                key = key_from_hex(entry.name[: -len(_SUFFIX)])
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
+                key = None if temp else key_from_hex(entry.name[: -len(_SUFFIX)])
             except (ValueError, FileNotFoundError):
                 continue
-            found.append((st.st_mtime, key, st.st_size))
+            if not fsutil.is_regular(st):  # FIFOs, symlinks...: never read, never counted
+                continue
+            if key is None:
+                temps.append((entry.path, st.st_size, st.st_mtime))
+            elif entry.path == str(self.path_of(key)):  # not misplaced: readers find it
+                found.append((st.st_mtime, key, st.st_size))
         self._recency.reset(found)
-        self.metrics.used(self._recency.bytes)
+        self._temps.reset(temps)
+        self._report_used()
+
+    def _used(self) -> int:
+        return self._recency.bytes + self._temps.bytes
+
+    def _report_used(self) -> None:
+        self.metrics.used(self._used())
 
     def _known(self, key: ChunkKey) -> bool:
         """Indexed, or on disk (written by another node). The index may be stale: another
@@ -157,13 +190,29 @@ class FileTier:
 
     def _on_disk(self, key: ChunkKey) -> bool:
         """Ask the directory, never the index; refresh the index either way."""
+        path = self.path_of(key)
         try:
-            st = os.stat(self.path_of(key))
+            st = os.lstat(path)
         except OSError:
             self._recency.forget(key)
             return False
+        if not fsutil.is_regular(st):
+            self._remove_foreign(key, path)
+            return False
         self._recency.remember(key, st.st_size, st.st_mtime)
         return True
+
+    def _remove_foreign(self, key: ChunkKey, path: Path) -> None:
+        """Something not a regular file (symlink, FIFO, device) is named like an object:
+        never kvtier's and never read. Count it and remove it (unless it is a directory
+        or has become a regular file), so the key can be stored again."""
+        self.metrics.corrupt()
+        self._recency.forget(key)
+        log.warning("%s is not a regular file: a miss, removing it", path)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if not fsutil.is_regular(st) and not stat.S_ISDIR(st.st_mode):
+                os.unlink(path)
 
     # -- Tier protocol -------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
@@ -172,13 +221,19 @@ class FileTier:
                 return i
         return len(keys)
 
-    def get_into(self, key: ChunkKey, dst: memoryview) -> ChunkMeta | None:
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
         t0 = time.perf_counter()
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = fsutil.open_regular(path)
         except FileNotFoundError:
             self._recency.forget(key)
+            self.metrics.miss()
+            return None
+        except fsutil.NotRegular:
+            self._remove_foreign(key, path)
             self.metrics.miss()
             return None
         except OSError:
@@ -189,12 +244,9 @@ class FileTier:
             size = os.fstat(fd).st_size
             head = memoryview(bytearray(HEADER_SPAN))
             n = _read_exact(fd, head)
-            meta, csum = decode_header(head[:n], expect_key=key, object_len=size)
-            if meta.payload_len > dst.nbytes:
-                raise ValueError(
-                    f"buffer of {dst.nbytes} bytes is too small for a "
-                    f"{meta.payload_len}-byte chunk"
-                )
+            meta, csum = decode_header(
+                head[:n], expect_key=key, expect=expect, object_len=size, max_payload=dst.nbytes
+            )
             body = dst[: meta.payload_len]
             if _read_exact(fd, body) != meta.payload_len:
                 raise CorruptObject("truncated payload")
@@ -222,7 +274,7 @@ class FileTier:
                 self._recency.refresh(key)
                 return
         with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
-            os.utime(path, (now, now))
+            os.utime(path, (now, now), follow_symlinks=False)
         self._recency.remember(key, size, now)
 
     def _quarantine(self, key: ChunkKey, path: Path, fd: int, why: str) -> None:
@@ -230,7 +282,7 @@ class FileTier:
         self.metrics.corrupt()
         log.warning("corrupt object %s removed: %s", path, why)
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(path)
         except OSError:
             pass
@@ -250,12 +302,13 @@ class FileTier:
         tmp = path.with_name(f".{path.name}.{self._tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
         try:
             header = encode_header(meta, payload)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._create_temp(tmp)
             try:
-                _write_all(fd, [memoryview(header), memoryview(payload).cast("B")])
+                fsutil.write_all(fd, [memoryview(header), memoryview(payload).cast("B")])
+                st = os.fstat(fd)
+                fsutil.set_mode(fd, st, self._mode)  # before it is published: umask aside
                 if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
-                    now = os.fstat(fd).st_mtime
+                    now = st.st_mtime
                 else:  # an injected clock: recency must follow it
                     now = self._clock.wall()
                     os.utime(fd, (now, now))
@@ -282,8 +335,18 @@ class FileTier:
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
         self.collect()
-        self.metrics.used(self._recency.bytes)
+        self._report_used()
         return PutStatus.STORED
+
+    def _create_temp(self, tmp: Path) -> int:
+        """Open a new temp file; its directories are created (each level, exact mode)
+        only when missing, so a put costs no extra metadata call otherwise."""
+        try:
+            return os.open(tmp, fsutil.CREATE_FLAGS, self._mode)
+        except FileNotFoundError:
+            for d in (self._dir, tmp.parent.parent, tmp.parent):
+                fsutil.make_dir(d, self._dir_mode)
+            return os.open(tmp, fsutil.CREATE_FLAGS, self._mode)
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
         n = 0
@@ -294,7 +357,7 @@ class FileTier:
             except FileNotFoundError:
                 pass
             self._recency.forget(key)
-        self.metrics.used(self._recency.bytes)
+        self._report_used()
         return n
 
     def scan(self) -> Iterator[ObjectInfo]:
@@ -302,24 +365,55 @@ class FileTier:
             yield ObjectInfo(key, e.size, e.last_used)
 
     def usage(self) -> TierUsage:
-        return self._recency.usage(self.capacity)
+        """Objects indexed; bytes include temp files (writes in flight or abandoned)."""
+        return TierUsage(len(self._recency), self._used(), self.capacity)
 
     def collect(self) -> int:
-        """Delete least recently used objects until usage is under the low watermark."""
+        """Remove stale temp files, then delete least recently used objects until usage
+        (temp files included) is under the low watermark."""
         with self._recency.lock:
+            if len(self._temps):
+                self._sweep_temps(self._temp_grace, recheck=self._used() > self.capacity)
             return self._collect_locked()
 
+    def _sweep_temps(self, grace: float, *, recheck: bool = True) -> int:
+        """Forget known temp files that are gone; remove those not written to for
+        ``grace`` seconds (writer dead, on any node). Young ones are re-stated only if
+        ``recheck`` (over capacity: a finished write must stop counting)."""
+        now, removed = self._clock.wall(), 0
+        for path, t in self._temps.items():
+            if not recheck and now - t.mtime < grace:
+                continue
+            try:
+                st = os.lstat(path)
+                if now - st.st_mtime < grace:  # still being written (or just published)
+                    self._temps.remember(path, st.st_size, st.st_mtime)
+                    continue
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("stale temp file %s not removed: %s", path, e.strerror)
+                continue
+            self._temps.forget(path)
+        if removed:
+            log.info("%s: removed %d stale temp files", self._name, removed)
+            self.removed_temps += removed
+        self._report_used()
+        return removed
+
     def _collect_locked(self) -> int:
-        if self._recency.bytes <= self.capacity:
+        if self._used() <= self.capacity:
             return 0
         target = int(self.capacity * self._low_watermark)
         freed = 0
         for key, entry in self._recency.items():
-            if self._recency.bytes <= target:
+            if self._used() <= target:
                 break
             path = self.path_of(key)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
                 self._recency.forget(key)
                 continue
@@ -331,20 +425,26 @@ class FileTier:
             freed += entry.size
             self._recency.forget(key)
             self.metrics.evicted()
-        self.metrics.used(self._recency.bytes)
+        self._report_used()
         return freed
 
     # -- leases --------------------------------------------------------------------------
     def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
         """The object's verified header (not its payload), or ``None`` if absent or bad."""
+        head = memoryview(bytearray(HEADER_SPAN))
         try:
-            with open(self.path_of(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(HEADER_SPAN)
+            fd = fsutil.open_regular(self.path_of(key))
         except OSError:
             return None
         try:
-            return decode_header(memoryview(head), expect_key=key, object_len=size)[0]
+            size = os.fstat(fd).st_size
+            head = head[: _read_exact(fd, head)]
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            return decode_header(head, expect_key=key, object_len=size)[0]
         except CorruptObject:
             return None
 
@@ -352,10 +452,13 @@ class FileTier:
         """Restart the object's lease now; ``False`` if it is not there."""
         now = self._clock.wall()
         path = self.path_of(key)
-        try:
-            os.utime(path, (now, now))
-            size = os.stat(path).st_size
-        except OSError:
+        size = -1  # stays so unless a regular file is there and its mtime was set
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if fsutil.is_regular(st):
+                os.utime(path, (now, now), follow_symlinks=False)
+                size = st.st_size
+        if size < 0:
             self._recency.forget(key)
             return False
         self._recency.remember(key, size, now)
@@ -371,7 +474,7 @@ class FileTier:
                     continue
                 path = self.path_of(key)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                     if st.st_mtime >= cutoff:  # renewed since the scan
                         self._recency.remember(key, st.st_size, st.st_mtime)
                         continue
@@ -381,21 +484,14 @@ class FileTier:
                 self._recency.forget(key)
                 self.metrics.evicted()
                 n += 1
-            self.metrics.used(self._recency.bytes)
+            self._report_used()
         return n
 
-    def remove_stale_temps(self, older_than: float = 3600.0) -> int:
-        """Delete temp files left by writers that died more than ``older_than`` s ago."""
-        now, n = self._clock.wall(), 0
-        for entry in self._walk():
-            if entry.name.endswith(_TMP_SUFFIX):
-                try:
-                    if now - entry.stat().st_mtime > older_than:
-                        os.unlink(entry.path)
-                        n += 1
-                except FileNotFoundError:
-                    pass
-        return n
+    def remove_stale_temps(self, older_than: float | None = None) -> int:
+        """Rescan and delete temp files not written to for ``older_than`` seconds (default
+        the grace period): their writers died, on this node or another."""
+        self._scan()
+        return self._sweep_temps(self._temp_grace if older_than is None else older_than)
 
     def close(self) -> None:
         pass

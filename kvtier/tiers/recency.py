@@ -1,4 +1,5 @@
-"""``RecencyIndex``: what a persistent tier (file, S3) knows of its objects in memory.
+"""``RecencyIndex``: what a persistent tier (file, S3) knows of its objects in memory;
+``TempIndex``: what the file tier knows of temp files (writes in flight or abandoned).
 
 Invariants: entries are ordered coldest first; ``bytes`` is always the sum of their
 sizes; every method is atomic. ``lock`` is re-entrant, so a caller can make a compound
@@ -77,4 +78,46 @@ class RecencyIndex:
 
     def __len__(self) -> int:
         with self.lock:
+            return len(self._entries)
+
+
+@dataclass(frozen=True)
+class TempEntry:
+    size: int
+    mtime: float  # the last write to it, as the file system reports it
+
+
+class TempIndex:
+    """Temp files seen in a shared directory, any node's. They hold disk space, so the
+    tier counts their bytes against capacity until they are published or removed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, TempEntry] = {}
+        self.bytes = 0
+
+    def reset(self, found: Iterable[tuple[str, int, float]]) -> None:
+        """Replace everything with ``(path, size, mtime)`` triples."""
+        with self._lock:
+            self._entries = {path: TempEntry(size, mtime) for path, size, mtime in found}
+            self.bytes = sum(e.size for e in self._entries.values())
+
+    def remember(self, path: str, size: int, mtime: float) -> None:
+        with self._lock:
+            old = self._entries.get(path)
+            self.bytes += size - (old.size if old is not None else 0)
+            self._entries[path] = TempEntry(size, mtime)
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            old = self._entries.pop(path, None)
+            if old is not None:
+                self.bytes -= old.size
+
+    def items(self) -> list[tuple[str, TempEntry]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def __len__(self) -> int:
+        with self._lock:
             return len(self._entries)
