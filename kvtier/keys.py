@@ -9,7 +9,8 @@ Invariants:
 * Never Python's ``hash()``: keys are identical across processes, machines and runs.
 * The namespace digest covers everything that makes KV bytes incompatible (model identity,
   dtype, layout, geometry, chunking, TP placement, format version, and the request's
-  ``cache_salt``). Different namespaces never share a key.
+  ``cache_salt`` and LoRA adapter). Different namespaces never share a key. What varies
+  per chunk (multimodal inputs, prompt embeddings) goes into that chunk's ``extra``.
 * ``ChunkKey.hex()`` is only ``[0-9a-f]``: tier paths and object names built from it
   cannot escape their root.
 """
@@ -17,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import NewType
 
@@ -70,11 +71,19 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_world_size {self.tp_world_size}")
 
-    def digest(self, cache_salt: str | None = None) -> bytes:
-        """16-byte digest of this namespace, optionally specialised by a request salt."""
+    def digest(self, cache_salt: str | None = None, *, adapter: str | None = None) -> bytes:
+        """16-byte digest of this namespace, specialised by a request's salt and adapter.
+
+        ``adapter`` identifies a LoRA adapter (its name and a fingerprint of its files);
+        ``None`` is the base model. Without either the digest is the same as before
+        adapters were keyed, so stored objects stay valid.
+        """
         fields = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)
         salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
-        return _h(b"kvtier-namespace", fields, salt)
+        parts = [b"kvtier-namespace", fields, salt]
+        if adapter is not None:
+            parts.append(b"lora:" + adapter.encode("utf-8"))
+        return _h(*parts)
 
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -90,14 +99,17 @@ def chunk_keys(
     tokens: Sequence[int] | np.ndarray,
     chunk_tokens: int,
     *,
-    extra: bytes = b"",
+    extra: bytes | Callable[[int], bytes] = b"",
     start_chunk: int = 0,
     parent: ChunkKey | None = None,
 ) -> list[ChunkKey]:
     """Keys of every *full* chunk of ``tokens``; a trailing partial chunk gets no key.
 
-    To extend an earlier computation, pass ``start_chunk`` and the key of chunk
-    ``start_chunk - 1`` as ``parent``; the result then starts at chunk ``start_chunk``.
+    ``extra`` is mixed into every chunk's key: the same bytes for all chunks, or a
+    function of the absolute chunk index (multimodal inputs and prompt embeddings
+    differ per chunk). To extend an earlier computation, pass ``start_chunk`` and the key
+    of chunk ``start_chunk - 1`` as ``parent``; the result then starts at chunk
+    ``start_chunk``.
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -109,7 +121,8 @@ def chunk_keys(
     step = chunk_tokens * 4
     keys: list[ChunkKey] = []
     for i in range(len(encoded) // step):
-        prev = _h(prev, encoded[i * step : (i + 1) * step], extra)
+        more = extra(start_chunk + i) if callable(extra) else extra
+        prev = _h(prev, encoded[i * step : (i + 1) * step], more)
         keys.append(ChunkKey(prev))
     return keys
 

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -107,6 +107,15 @@ class Conversation:
 
     def record(self, prompt: Sequence[int], result: CompletionResult) -> None:
         self.history = [*prompt, *result.token_ids]
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """A LoRA adapter for a request: vLLM's ``LoRARequest(name, id, path)``."""
+
+    name: str
+    id: int
+    path: str
 
 
 class WorkerError(RuntimeError):
@@ -265,9 +274,13 @@ class LLMWorker:
         temperature: float = 0.0,
         kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
         cache_salt: Sequence[str | None] | None = None,
+        lora: Sequence[LoRA | None] | None = None,
         timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> BatchResult:
-        """Generate for a batch of token-id prompts (greedy by default)."""
+        """Generate for a batch of token-id prompts (greedy by default).
+
+        ``lora`` gives each prompt an adapter (the engine needs ``enable_lora=True``).
+        """
         req: dict[str, Any] = {
             "op": "generate",
             "prompts": [list(map(int, p)) for p in prompts],
@@ -280,6 +293,8 @@ class LLMWorker:
             req["kv_transfer_params"] = list(kv_transfer_params)
         if cache_salt is not None:
             req["cache_salt"] = list(cache_salt)
+        if lora is not None:
+            req["lora"] = [None if a is None else asdict(a) for a in lora]
         resp = self.request(req, timeout_s)
         return BatchResult(
             outputs=[CompletionResult(**o) for o in resp["outputs"]],

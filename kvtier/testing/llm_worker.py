@@ -10,7 +10,8 @@ Protocol (one JSON object per line; the worker answers every request with one li
   "vllm_version": str}``, or ``{"event": "error", "error": str}`` and exits.
 * ``{"op": "generate", "prompts": [[int, ...], ...], "max_tokens": int,
   "reset_prefix_cache": bool, "ignore_eos": bool, "temperature": float,
-  "kv_transfer_params": [dict | null, ...], "cache_salt": [str | null, ...]}``
+  "kv_transfer_params": [dict | null, ...], "cache_salt": [str | null, ...],
+  "lora": [{"name": str, "id": int, "path": str} | null, ...]}``
   answers ``{"ok": true, "reset_ok": bool | null, "elapsed_s": float, "outputs": [...]}``
   with one output per prompt, in order: ``{"token_ids": [...], "num_cached_tokens": int,
   "num_prompt_tokens": int, "finish_reason": str, "kv_transfer_params": dict | null,
@@ -58,8 +59,9 @@ def _generate(llm: Any, req: dict[str, Any]) -> dict[str, Any]:
     n = len(prompts)
     kv_params = req.get("kv_transfer_params") or [None] * n
     salts = req.get("cache_salt") or [None] * n
-    if len(kv_params) != n or len(salts) != n:
-        raise ValueError("kv_transfer_params and cache_salt need one entry per prompt")
+    loras = req.get("lora") or [None] * n
+    if len(kv_params) != n or len(salts) != n or len(loras) != n:
+        raise ValueError("kv_transfer_params, cache_salt and lora need one entry per prompt")
     reset_ok = None
     if req.get("reset_prefix_cache", False):
         reset_ok = bool(llm.reset_prefix_cache())
@@ -81,8 +83,16 @@ def _generate(llm: Any, req: dict[str, Any]) -> dict[str, Any]:
         if salt is not None:
             item["cache_salt"] = salt
         inputs.append(item)
+    lora_requests = None
+    if any(lr is not None for lr in loras):
+        from vllm.lora.request import LoRARequest
+
+        lora_requests = [
+            None if lr is None else LoRARequest(str(lr["name"]), int(lr["id"]), str(lr["path"]))
+            for lr in loras
+        ]
     t0 = time.perf_counter()
-    results = llm.generate(inputs, params, use_tqdm=False)
+    results = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
     outputs = []
     for res in results:

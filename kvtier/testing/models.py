@@ -344,3 +344,45 @@ def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
         "pad_token": EOS_TOKEN,
     }
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=1))
+
+
+def build_lora_adapter(
+    path: str | os.PathLike[str], model: str | os.PathLike[str], *, seed: int, rank: int = 8
+) -> Path:
+    """Write a random PEFT LoRA adapter for the built model at ``model`` and return its path.
+
+    It targets every attention and MLP projection, K and V included, so the adapter
+    changes the KV cache itself, which is what a KV store must keep apart. ``lora_B`` is
+    random (PEFT initialises it to zero, which would make the adapter a no-op).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    marker = read_marker(model)
+    if marker is None:
+        raise ValueError(f"{model} is not a kvtier test model")
+    spec = TinyLlamaSpec(**marker["spec"])
+    d, hd = spec.hidden, spec.resolved_head_dim
+    shapes = {
+        "q_proj": (d, spec.heads * hd), "k_proj": (d, spec.kv_heads * hd),
+        "v_proj": (d, spec.kv_heads * hd), "o_proj": (spec.heads * hd, d),
+    }
+    out = Path(path).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(spec.layers):
+        for proj, (fan_in, fan_out) in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.2
+    dtype = getattr(torch, spec.dtype)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(shapes),
+        "base_model_name_or_path": str(model), "fan_in_fan_out": False,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }, indent=1))
+    return out

@@ -44,10 +44,11 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig, RestoreConfig
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
-from kvtier.objformat import ChunkMeta
+from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Pinned, TieredStore
 from kvtier.tiers.host import HostTier
 from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_pool
 
@@ -74,7 +75,9 @@ def _request_params(request: Any) -> dict[str, Any]:
 
 
 def _release_when_done(fut: Future[Pinned]) -> None:
-    if fut.exception() is None:
+    """Release a staging that was abandoned. A failed one holds no pins (``store.load``
+    releases them before it fails)."""
+    if not fut.cancelled() and fut.exception() is None:
         fut.result().release()
 
 
@@ -88,6 +91,14 @@ class _Lookup:
     pinned: Pinned | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Keys:
+    """A request's identity and the keys of its full chunks computed so far."""
+
+    identity: RequestIdentity
+    keys: list[ChunkKey] = field(default_factory=list)
 
 
 @dataclass
@@ -124,8 +135,8 @@ class SchedulerSide:
         self._pins_by_step: dict[int, list[Pinned]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
-        self._key_cache: dict[str, list[ChunkKey]] = {}  # req -> keys of its full chunks
-        self._digests: dict[str | None, bytes] = {}  # cache_salt -> namespace digest
+        self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
+        self.identities = RequestIdentities(namespace, self.ct)
         self._step = 0
         self.role = role
         self.clock = clock  # the decode wait deadline; latencies use perf_counter
@@ -142,36 +153,39 @@ class SchedulerSide:
         return build_store(self.cfg, self.slot_bytes, host=host)
 
     # -- helpers -------------------------------------------------------------------------
-    def _keys(self, request: Any, num_tokens: int) -> tuple[bytes, list[ChunkKey]]:
+    def _keys(self, request: Any, num_tokens: int) -> tuple[bytes, list[ChunkKey]] | Pending:
         """Keys of the full chunks of the request's first ``num_tokens`` tokens.
 
         Cached per request and extended incrementally (a request's tokens are only ever
-        appended to), because vLLM asks again every step while a request waits.
+        appended to), because vLLM asks again every step while a request waits. The keys
+        cover the request's whole identity (``identity.py``): ``PENDING`` while it is
+        being established, ``Unsupported`` if it cannot be.
         """
-        salt = getattr(request, "cache_salt", None)
-        ns = self._digests.get(salt)
-        if ns is None:
-            ns = self._digests[salt] = self.ns.digest(salt)
+        rid = request.request_id
+        cached = self._key_cache.get(rid)
+        if cached is None:
+            ident = self.identities.of(request)
+            if ident is PENDING:
+                return PENDING
+            cached = self._key_cache[rid] = _Keys(ident)
         n = num_tokens // self.ct
-        have = self._key_cache.get(request.request_id, [])
+        have = cached.keys
         if len(have) < n:
             tokens = request.all_token_ids[: n * self.ct]
-            have = have + chunk_keys(
-                ns, tokens, self.ct, start_chunk=len(have), parent=have[-1] if have else None
-            )
-            self._key_cache[request.request_id] = have
-        return ns, have[:n]
+            extra = cached.identity.chunk_extra or b""
+            have.extend(chunk_keys(
+                cached.identity.namespace, tokens, self.ct, extra=extra,
+                start_chunk=len(have), parent=have[-1] if have else None,
+            ))
+        return cached.identity.namespace, have[:n]
+
+    def _spec(self, ns: bytes) -> ChunkSpec:
+        """What every chunk of a request with namespace digest ``ns`` must be, exactly."""
+        shape = (self.geom.num_layers, self.bpc, self.geom.page_bytes)
+        return ChunkSpec(ns, self.ct, self.geom.kv_dtype, shape, self.slot_bytes)
 
     def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
-        return ChunkMeta(
-            namespace=ns,
-            key=keys[c],
-            parent=keys[c - 1] if c else None,
-            num_tokens=self.ct,
-            dtype=self.geom.kv_dtype,
-            shape=(self.geom.num_layers, self.bpc, self.geom.page_bytes),
-            payload_len=self.slot_bytes,
-        )
+        return self._spec(ns).meta(keys[c], keys[c - 1] if c else None)
 
     def _forget(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
@@ -197,7 +211,13 @@ class SchedulerSide:
         if lk is None:
             if _request_params(request).get("load") is False:
                 return 0, False
-            _, keys = self._keys(request, request.num_tokens)
+            try:
+                got = self._keys(request, request.num_tokens)
+            except Unsupported:
+                return 0, False
+            if got is PENDING:
+                return None, False
+            ns, keys = got
             first = num_computed // self.ct
             wanted = keys[: -(-limit // self.ct)]
             hit = self.store.lookup(wanted[first:])
@@ -210,7 +230,7 @@ class SchedulerSide:
             if hit.hits == 0 or tokens - num_computed < self.threshold:
                 return 0, False
             lk = _Lookup(keys, first, t0=t0)
-            lk.future = self.store.load(list(hit.keys))
+            lk.future = self.store.load(list(hit.keys), self._spec(ns))
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
@@ -307,8 +327,14 @@ class SchedulerSide:
         self._waiting.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
-        ns, keys = self._keys(request, n_chunks * self.ct)
+        try:
+            got = self._keys(request, n_chunks * self.ct)
+        except Unsupported:
+            got = PENDING
         self._key_cache.pop(rid, None)
+        if got is PENDING:  # identity unknown (or refused): store nothing
+            n_chunks, got = 0, (b"", [])
+        ns, keys = got
         wanted = n_chunks and _request_params(request).get("save") is not False
         saved = self._save(rid, ns, keys, block_ids) if wanted else 0
         params = {
@@ -393,3 +419,4 @@ class SchedulerSide:
             self._forget(rid)
         self.store.flush()
         self.store.close()
+        self.identities.close()

@@ -45,7 +45,6 @@ class WorkerSide:
         self.pool: torch.Tensor | None = None
         self._saved: set[str] = set()
         self._failed_saves: set[str] = set()
-        self._finished: set[str] = set()
         self._loaded_steps: list[int] = []
         self._load_errors: set[int] = set()
 
@@ -129,10 +128,16 @@ class WorkerSide:
             self._saved.add(op.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        self._finished |= finished_req_ids
-        done = self._saved & self._finished
+        """Requests whose blocks vLLM may free now: finished, and their saves done.
+
+        vLLM hands a finished request's id to the workers in the same step as the
+        metadata carrying its saves (``Scheduler.schedule`` builds both from one
+        ``_free_request``), and ``run`` executes those saves before this is called. So a
+        finished id with no save by now never gets one and is not remembered; only
+        saves of requests not yet reported finished wait here. Nothing grows per request.
+        """
+        done = self._saved & finished_req_ids
         self._saved -= done
-        self._finished -= done
         return (done or None), None
 
     def load_errors(self) -> set[int]:
