@@ -1,33 +1,233 @@
-"""Prometheus metrics per tier, plus plain counters tests and ``kvtier stats`` can read.
+"""What kvtier counts, and how the counts leave the process that made them.
 
-Every counter is labelled by tier name. ``TierMetrics`` keeps a local ``TierCounters``
-mirror because Prometheus children are process-global: several stores in one process
-(tests, benchmarks) must not see each other's counts.
+Two destinations, never a Prometheus collector of kvtier's own:
+
+* **Local mirrors.** ``TierMetrics.counts`` (a ``TierCounters``) belongs to one tier instance,
+  so several stores in one process (tests, benchmarks) never see each other's counts.
+* **The export batch.** In a process where the vLLM connector runs, ``enable_export()`` turns
+  on one process-wide ``StatsBatch``; every record also lands there, and the connector
+  ``drain_export()``\\ s it once per engine step into vLLM's connector stats
+  (``kvtier.vllm.stats``). vLLM carries those to the API server, whose ``/metrics`` shows the
+  ``SERIES`` below. Where export is off (the default: tests, CLI, the API server), nothing
+  accumulates.
+
+Invariants:
+
+* Importing this module registers nothing anywhere: a process that never receives engine
+  stats (vLLM's API server imports kvtier to build the metrics) shows no kvtier series
+  that stay at zero.
+* A batch is plain data, ``{series name: {label key: value}}``: a number for counters
+  and gauges, a list of observations for histograms. It survives pickle and msgpack.
+  The label key is the label values joined by ``|``, so label values never contain ``|``.
+* Merging adds counters, keeps the newer gauge value and concatenates observations (at
+  most ``MAX_OBSERVATIONS`` per series and label key per batch; later ones are counted in
+  ``kvtier_observations_dropped_total``). Every record lands in exactly one drained batch.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+#: One batch's data: series name -> label key -> number (counter, gauge) or list (histogram).
+BatchData = dict[str, dict[str, Any]]
 
-_HITS = Counter("kvtier_tier_hits_total", "Chunks found by get", ["tier"])
-_MISSES = Counter("kvtier_tier_misses_total", "Chunks not found by get", ["tier"])
-_BYTES_IN = Counter("kvtier_tier_bytes_written_total", "Payload bytes stored", ["tier"])
-_BYTES_OUT = Counter("kvtier_tier_bytes_read_total", "Payload bytes read", ["tier"])
-_ERRORS = Counter("kvtier_tier_errors_total", "Backing-store faults", ["tier", "op"])
-_CORRUPT = Counter("kvtier_tier_corruptions_total", "Objects failing verification", ["tier"])
-_EVICTIONS = Counter("kvtier_tier_evictions_total", "Chunks evicted for capacity", ["tier"])
-_DROPS = Counter("kvtier_drops_total", "Stores dropped instead of blocking", ["reason"])
-_QUEUE = Gauge("kvtier_io_queue_depth", "Queued I/O operations", ["queue"])
-_USED = Gauge("kvtier_tier_used_bytes", "Bytes held by the tier", ["tier"])
-_LATENCY = Histogram(
-    "kvtier_tier_op_seconds",
-    "Latency of one tier operation",
-    ["tier", "op"],
-    buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
+LABEL_SEP = "|"
+MAX_OBSERVATIONS = 4096
+
+
+class Kind(Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    kind: Kind
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+_C, _G, _H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
+_SECONDS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+HITS = Series("kvtier_tier_hits_total", _C, "Chunks found by get", ("tier",))
+MISSES = Series("kvtier_tier_misses_total", _C, "Chunks not found by get", ("tier",))
+BYTES_WRITTEN = Series("kvtier_tier_bytes_written_total", _C, "Payload bytes stored", ("tier",))
+BYTES_READ = Series("kvtier_tier_bytes_read_total", _C, "Payload bytes read", ("tier",))
+ERRORS = Series("kvtier_tier_errors_total", _C, "Backing-store faults", ("tier", "op"))
+CORRUPTIONS = Series(
+    "kvtier_tier_corruptions_total", _C, "Objects failing verification (each a miss)", ("tier",)
 )
+EVICTIONS = Series("kvtier_tier_evictions_total", _C, "Chunks evicted for capacity", ("tier",))
+USED = Series("kvtier_tier_used_bytes", _G, "Bytes held by the tier", ("tier",))
+OP_SECONDS = Series(
+    "kvtier_tier_op_seconds", _H, "Latency of one tier get or put", ("tier", "op"), _SECONDS
+)
+DROPS = Series("kvtier_drops_total", _C, "Stores dropped instead of blocking", ("reason",))
+QUEUE_DEPTH = Series("kvtier_io_queue_depth", _G, "Queued I/O operations", ("queue",))
+RESTORED_TOKENS = Series(
+    "kvtier_restored_tokens_total", _C, "Tokens restored into vLLM's KV cache, by source tier",
+    ("tier",),
+)
+RESTORED_REQUESTS = Series("kvtier_restored_requests_total", _C, "Requests served a restore")
+SPILLED = Series(
+    "kvtier_spilled_bytes_total", _C, "Bytes copied out of vLLM's KV cache by the eviction hook"
+)
+WT_BASELINE = Series(
+    "kvtier_write_through_baseline_bytes_total", _C,
+    "Bytes a write-through of every completed chunk would have copied",
+)
+WORKER_BLOCKS = Series(
+    "kvtier_worker_blocks_total", _C, "KV blocks the worker copied, by direction",
+    ("direction",),
+)
+WORKER_FAILED_BLOCKS = Series(
+    "kvtier_worker_failed_load_blocks_total", _C,
+    "KV blocks whose load failed in the worker (vLLM recomputes them)",
+)
+WORKER_STEP_SECONDS = Series(
+    "kvtier_worker_copy_seconds", _H, "Worker time copying KV in one engine step", (), _SECONDS
+)
+DROPPED_OBSERVATIONS = Series(
+    "kvtier_observations_dropped_total", _C,
+    f"Histogram observations over {MAX_OBSERVATIONS} per series in one engine step, not exported",
+)
+
+SERIES: dict[str, Series] = {
+    s.name: s
+    for s in (
+        HITS, MISSES, BYTES_WRITTEN, BYTES_READ, ERRORS, CORRUPTIONS, EVICTIONS, USED,
+        OP_SECONDS, DROPS, QUEUE_DEPTH, RESTORED_TOKENS, RESTORED_REQUESTS, SPILLED,
+        WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
+        DROPPED_OBSERVATIONS,
+    )
+}
+
+
+def label_key(series: Series, values: tuple[str, ...]) -> str:
+    if len(values) != len(series.labels):
+        raise ValueError(f"{series.name}: labels {series.labels}, got values {values}")
+    for v in values:
+        if LABEL_SEP in v:
+            raise ValueError(f"{series.name}: label value {v!r} contains {LABEL_SEP!r}")
+    return LABEL_SEP.join(values)
+
+
+def label_values(series: Series, key: str) -> tuple[str, ...]:
+    return tuple(key.split(LABEL_SEP)) if series.labels else ()
+
+
+def merge(into: BatchData, other: BatchData) -> BatchData:
+    """Fold ``other`` into ``into`` (see the module invariants); returns ``into``."""
+    for name, values in other.items():
+        series = SERIES.get(name)
+        if series is None:
+            raise ValueError(f"unknown kvtier series {name!r} in connector stats")
+        mine = into.setdefault(name, {})
+        for key, value in values.items():
+            if series.kind is Kind.COUNTER:
+                mine[key] = mine.get(key, 0) + value
+            elif series.kind is Kind.GAUGE:
+                mine[key] = value
+            else:
+                _extend(into, mine.setdefault(key, []), value)
+    return into
+
+
+def _extend(data: BatchData, obs: list[float], new: list[float]) -> None:
+    room = MAX_OBSERVATIONS - len(obs)
+    obs.extend(new[: max(room, 0)])
+    if len(new) > room:
+        dropped = data.setdefault(DROPPED_OBSERVATIONS.name, {})
+        dropped[""] = dropped.get("", 0) + len(new) - max(room, 0)
+
+
+class StatsBatch:
+    """Records since the last ``drain``. Thread-safe (IO threads record into it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: BatchData = {}
+
+    def add(self, series: Series, n: float, *labels: str) -> None:
+        assert series.kind is Kind.COUNTER, series.name
+        key = label_key(series, labels)
+        with self._lock:
+            values = self._data.setdefault(series.name, {})
+            values[key] = values.get(key, 0) + n
+
+    def set(self, series: Series, value: float, *labels: str) -> None:
+        assert series.kind is Kind.GAUGE, series.name
+        key = label_key(series, labels)
+        with self._lock:
+            self._data.setdefault(series.name, {})[key] = value
+
+    def observe(self, series: Series, value: float, *labels: str) -> None:
+        assert series.kind is Kind.HISTOGRAM, series.name
+        key = label_key(series, labels)
+        with self._lock:
+            _extend(self._data, self._data.setdefault(series.name, {}).setdefault(key, []),
+                    [value])
+
+    def drain(self) -> BatchData:
+        """Everything recorded since the last drain (``{}`` if nothing), and start afresh."""
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+_export: StatsBatch | None = None
+_export_lock = threading.Lock()
+
+
+def enable_export() -> StatsBatch:
+    """Start collecting this process's records for vLLM's connector stats (idempotent)."""
+    global _export
+    with _export_lock:
+        if _export is None:
+            _export = StatsBatch()
+        return _export
+
+
+def disable_export() -> None:
+    """Stop collecting (what was not drained is dropped); for tests."""
+    global _export
+    with _export_lock:
+        _export = None
+
+
+def export_enabled() -> bool:
+    return _export is not None
+
+
+def drain_export() -> BatchData:
+    """The records since the last drain; ``{}`` if there are none or export is off."""
+    batch = _export
+    return batch.drain() if batch is not None else {}
+
+
+def _add(series: Series, n: float, *labels: str) -> None:
+    batch = _export
+    if batch is not None:
+        batch.add(series, n, *labels)
+
+
+def _set(series: Series, value: float, *labels: str) -> None:
+    batch = _export
+    if batch is not None:
+        batch.set(series, value, *labels)
+
+
+def _observe(series: Series, value: float, *labels: str) -> None:
+    batch = _export
+    if batch is not None:
+        batch.observe(series, value, *labels)
 
 
 @dataclass
@@ -52,68 +252,70 @@ class TierMetrics:
         self.counts = TierCounters()
         self._lock = threading.Lock()
 
-    def _add(self, field: str, n: int) -> None:
+    def _count(self, field: str, n: int) -> None:
         with self._lock:
             setattr(self.counts, field, getattr(self.counts, field) + n)
 
     def hit(self, nbytes: int) -> None:
-        self._add("hits", 1)
-        self._add("bytes_read", nbytes)
-        _HITS.labels(self.tier).inc()
-        _BYTES_OUT.labels(self.tier).inc(nbytes)
+        self._count("hits", 1)
+        self._count("bytes_read", nbytes)
+        _add(HITS, 1, self.tier)
+        _add(BYTES_READ, nbytes, self.tier)
 
     def miss(self) -> None:
-        self._add("misses", 1)
-        _MISSES.labels(self.tier).inc()
+        self._count("misses", 1)
+        _add(MISSES, 1, self.tier)
 
     def wrote(self, nbytes: int) -> None:
-        self._add("bytes_written", nbytes)
-        _BYTES_IN.labels(self.tier).inc(nbytes)
+        self._count("bytes_written", nbytes)
+        _add(BYTES_WRITTEN, nbytes, self.tier)
 
     def error(self, op: str) -> None:
-        self._add("errors", 1)
-        _ERRORS.labels(self.tier, op).inc()
+        self._count("errors", 1)
+        _add(ERRORS, 1, self.tier, op)
 
     def corrupt(self) -> None:
-        self._add("corruptions", 1)
-        _CORRUPT.labels(self.tier).inc()
+        self._count("corruptions", 1)
+        _add(CORRUPTIONS, 1, self.tier)
 
     def evicted(self, n: int = 1) -> None:
-        self._add("evictions", n)
-        _EVICTIONS.labels(self.tier).inc(n)
+        self._count("evictions", n)
+        _add(EVICTIONS, n, self.tier)
 
     def used(self, nbytes: int) -> None:
-        _USED.labels(self.tier).set(nbytes)
+        _set(USED, nbytes, self.tier)
 
     def observe(self, op: str, seconds: float) -> None:
-        _LATENCY.labels(self.tier, op).observe(seconds)
+        _observe(OP_SECONDS, seconds, self.tier, op)
 
 
 def record_drop(reason: str) -> None:
-    _DROPS.labels(reason).inc()
+    _add(DROPS, 1, reason)
 
 
 def set_queue_depth(queue: str, depth: int) -> None:
-    _QUEUE.labels(queue).set(depth)
-
-
-_RESTORED = Counter(
-    "kvtier_restored_tokens_total", "Tokens restored into vLLM's KV cache", ["tier"]
-)
-_RESTORES = Counter("kvtier_restored_requests_total", "Requests served a restore")
-_SPILLED = Counter("kvtier_spilled_bytes_total", "Bytes copied out of vLLM by the eviction hook")
-_WT_BASELINE = Counter(
-    "kvtier_write_through_baseline_bytes_total",
-    "Bytes a write-through of every completed chunk would have copied",
-)
+    _set(QUEUE_DEPTH, depth, queue)
 
 
 def record_restore(tokens_by_tier: dict[str, int]) -> None:
-    _RESTORES.inc()
+    _add(RESTORED_REQUESTS, 1)
     for tier, n in tokens_by_tier.items():
-        _RESTORED.labels(tier).inc(n)
+        _add(RESTORED_TOKENS, n, tier)
 
 
 def record_spill(spilled: int, baseline: int) -> None:
-    _SPILLED.inc(spilled)
-    _WT_BASELINE.inc(baseline)
+    _add(SPILLED, spilled)
+    _add(WT_BASELINE, baseline)
+
+
+def record_worker_step(loaded_blocks: int, saved_blocks: int, seconds: float) -> None:
+    """One worker step that copied KV (called in the worker process)."""
+    if loaded_blocks:
+        _add(WORKER_BLOCKS, loaded_blocks, "load")
+    if saved_blocks:
+        _add(WORKER_BLOCKS, saved_blocks, "save")
+    _observe(WORKER_STEP_SECONDS, seconds)
+
+
+def record_failed_loads(blocks: int) -> None:
+    _add(WORKER_FAILED_BLOCKS, blocks)

@@ -10,12 +10,15 @@ Load it with::
 vLLM constructs one instance per process: role SCHEDULER in the engine core (bookkeeping,
 ``scheduler_side.SchedulerSide``) and role WORKER in each worker (bytes,
 ``worker_side.WorkerSide``). This class only routes vLLM's hooks to the side that owns
-them; bad settings fail here, at engine start, naming the field.
+them; bad settings fail here, at engine start, naming the field. Both sides hand their
+process's counts to vLLM's connector stats every step (``kvtier/vllm/stats.py``), which
+shows them on the API server's ``/metrics``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,15 +27,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.metrics import drain_export, enable_export, record_failed_loads, record_worker_step
 from kvtier.vllm.geometry import geometry_from_kv_cache_config, namespace_for
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import parse_extra_config
 from kvtier.vllm.shm import pool_path
+from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -57,10 +66,12 @@ class KVTierConnector(KVConnectorBase_V1):
         settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         cfg = settings.config
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        if tp != 1:
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        if tp != 1 or pp != 1:
             raise NotImplementedError(
-                f"kvtier supports tensor_parallel_size 1 for now (got {tp}); "
-                "per-rank pools are on the roadmap (docs/architecture.md)"
+                f"kvtier supports tensor_parallel_size 1 and pipeline_parallel_size 1 for "
+                f"now (got {tp} and {pp}); per-rank pools are on the roadmap "
+                "(docs/architecture.md)"
             )
         geometry = geometry_from_kv_cache_config(kv_cache_config)
         geometry.blocks_per_chunk(cfg.chunk_tokens)  # fail early on a bad chunk size
@@ -71,6 +82,7 @@ class KVTierConnector(KVConnectorBase_V1):
         path = pool_path(engine_id, ns.tp_rank)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
         else:
@@ -129,7 +141,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        t0 = time.perf_counter()
         self.worker_side.run(meta)
+        if meta.loads or meta.saves:
+            record_worker_step(
+                sum(len(op.block_ids) for op in meta.loads),
+                sum(len(op.block_ids) for op in meta.saves),
+                time.perf_counter() - t0,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -146,10 +165,33 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker_side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.load_errors() if self._worker is not None else set()
+        errors = self.worker_side.load_errors() if self._worker is not None else set()
+        if errors:
+            record_failed_loads(len(errors))
+        return errors
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         return self._worker.worker_meta() if self._worker is not None else None
+
+    # -- metrics (both sides; see kvtier/vllm/stats.py) ------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this process recorded since the last call (vLLM calls it every step)."""
+        data = drain_export()
+        return KVTierStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats.build(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._sched is not None:
