@@ -182,6 +182,12 @@ class KVTierConfig(_Model):
     io: IOConfig = IOConfig()
     restore: RestoreConfig = RestoreConfig()
     retention: RetentionConfig = RetentionConfig()
+    #: On a clean shutdown, seconds spent writing dirty host chunks to the write-back
+    #: tiers (most recently used first) before the engine exits. 0 disables the flush.
+    shutdown_flush_seconds: float = Field(20.0, ge=0, le=3600)
+    #: Write dirty host chunks to the write-back tiers once the engine has been idle this
+    #: many seconds (so a stopped server keeps its cache). 0 disables it.
+    idle_flush_seconds: float = Field(2.0, ge=0)
 
     @field_validator("tiers")
     @classmethod

@@ -5,13 +5,15 @@ Invariants:
 * ``submit_load`` is never refused; loads always run before any queued store.
 * ``submit_store`` never blocks: when ``max_queued_stores`` are waiting it returns ``None``
   and the caller drops the store (and counts the drop). Memory stays bounded.
-* ``close()`` stops accepting work, runs everything already queued, joins the threads.
+* ``close()`` stops accepting work, runs everything already queued, joins the threads;
+  ``close(timeout)`` cancels what has not started and never waits past ``timeout``.
 * A task's exception is captured in its ``Future``; it never kills a worker thread.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -95,12 +97,29 @@ class IOPool:
             except BaseException as e:  # delivered to whoever waits on the future
                 fut.set_exception(e)
 
-    def close(self) -> None:
+    @property
+    def num_threads(self) -> int:
+        return len(self._threads)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting work. Without ``timeout``: run everything queued, join the threads.
+
+        With ``timeout``: tasks not started yet are cancelled, and threads still running a
+        task after ``timeout`` seconds are abandoned (they are daemons: a task stuck in a
+        hung tier cannot hold up the process's exit).
+        """
         with self._cv:
             self._closed = True
+            if timeout is not None:
+                for fut, _ in (*self._loads, *self._stores):
+                    fut.cancel()
+                self._loads.clear()
+                self._stores.clear()
+                self._publish()
             self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> IOPool:
         return self

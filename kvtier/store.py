@@ -29,14 +29,16 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
@@ -70,6 +72,15 @@ class Lookup:
     @property
     def hits(self) -> int:
         return len(self.keys)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What a bounded flush of dirty host chunks did."""
+
+    flushed: int
+    left: int
+    seconds: float
 
 
 @dataclass
@@ -181,7 +192,7 @@ class TieredStore:
                 finally:
                     self.host.release(slot)
 
-        return len(todo) if self._submit(job) else 0
+        return len(todo) if self._submit(job) is not None else 0
 
     def _spill_if_needed(self) -> None:
         if self.host.index.clean_or_free() >= self._reserve_slots:
@@ -197,22 +208,29 @@ class TieredStore:
         *,
         spill: bool,
         pinned: bool = False,
-    ) -> None:
-        if not pinned and self.host.index.acquire(meta.key) is None:
-            return  # evicted before we got to it
+    ) -> Future[Any] | None:
+        """Queue a write of one host slot; the job's result is True if every tier holds it.
 
-        def job() -> None:
+        ``None`` if the chunk was evicted first or the store queue was full (counted).
+        """
+        if not pinned and self.host.index.acquire(meta.key) is None:
+            return None  # evicted before we got to it
+
+        def job() -> bool:
             try:
                 ok = self._write_slot(slot, meta, tiers)
                 if spill:
                     if not ok:
                         log.warning("spill of %s failed; it may be evicted", meta.key.hex())
                     self.host.index.mark_clean(slot)
+                return ok
             finally:
                 self.host.release(slot)
 
-        if not self._submit(job):
+        fut = self._submit(job)
+        if fut is None:
             self.host.release(slot)
+        return fut
 
     def _write_slot(self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier]) -> bool:
         """Write one pinned host slot to ``tiers``; True if every tier now holds it."""
@@ -223,15 +241,15 @@ class TieredStore:
             ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
         return ok
 
-    def _submit(self, job: Callable[[], None]) -> bool:
-        """Queue a store job; False (and a counted drop) if the store queue is full."""
+    def _submit(self, job: Callable[[], Any]) -> Future[Any] | None:
+        """Queue a store job; ``None`` (and a counted drop) if the store queue is full."""
         fut = self.io.submit_store(job)
         if fut is None:
             self._drop("store_queue_full")
-            return False
+            return None
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
-        return True
+        return fut
 
     def _drop(self, reason: str) -> None:
         self.drops += 1
@@ -334,22 +352,105 @@ class TieredStore:
             pinned.release()
 
     # -- life cycle --------------------------------------------------------------------
-    def drop_host(self) -> int:
-        """Spill every dirty chunk, then drop every unpinned host chunk. Returns drops."""
-        self.flush()  # write-through copies in flight read from host slots
-        while batch := self.host.index.take_dirty(64):
-            for slot, meta in batch:
-                self._queue_write(slot, meta, self._back, spill=True, pinned=True)
-            self.flush()
-        return self.host.delete([meta.key for _, meta in self.host.index.entries()])
+    def drop_host(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> int:
+        """Write dirty chunks below (bounded by ``budget_s``), then drop every unpinned host
+        chunk that is not dirty. Returns how many were dropped.
 
-    def flush(self) -> None:
-        """Wait until every queued lower-tier write has finished."""
-        while self._inflight:
-            for fut in list(self._inflight):
-                fut.exception()
+        What ``reset_cache`` means for kvtier: the host tier is emptied, nothing stored is
+        lost (dirty chunks are written to the write-back tiers first, or kept if the
+        budget runs out), and the lower tiers, which other nodes and restarts share, are
+        kept. Never waits past the budget, whatever a tier does.
+        """
+        deadline = clock.monotonic() + budget_s
+        self.flush(budget_s)  # write-through copies in flight read from host slots
+        self.flush_dirty(max(0.0, deadline - clock.monotonic()), clock)
+        keep_dirty = self.host.index.dirty_keys()
+        return self.host.delete(
+            [meta.key for _, meta in self.host.index.entries() if meta.key not in keep_dirty]
+        )
 
-    def close(self) -> None:
-        self.io.close()
+    def write_back_some(self, max_n: int) -> int:
+        """Queue up to ``max_n`` dirty chunks, most recently used first, to the write-back
+        tiers without waiting (an idle engine's background flush). Each becomes clean once
+        every tier holds it; a failed write leaves it dirty. Returns how many were queued.
+        """
+        return len(self._write_back_batch(max_n, frozenset()))
+
+    def _write_back_batch(
+        self, max_n: int, skip: Collection[ChunkKey]
+    ) -> dict[Future[Any], ChunkKey]:
+        if not self._back:
+            return {}
+        jobs: dict[Future[Any], ChunkKey] = {}
+        batch = self.host.index.take_dirty(max_n, hottest_first=True, skip=skip)
+        for i, (slot, meta) in enumerate(batch):
+            fut = self._queue_write(slot, meta, self._back, spill=False, pinned=True)
+            if fut is None:  # the store queue is full: the rest stay dirty for later
+                for rest, _ in batch[i + 1 :]:
+                    self.host.release(rest)
+                break
+            fut.add_done_callback(partial(self._cleaned, slot, meta.key))
+            jobs[fut] = meta.key
+        return jobs
+
+    def _cleaned(self, slot: int, key: ChunkKey, fut: Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result():
+            self.host.index.mark_clean(slot, key)  # a dirty slot is never reused
+
+    def flush_dirty(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> FlushReport:
+        """Write dirty host chunks to the write-back tiers, most recently used first, for at
+        most ``budget_s`` seconds (a clean shutdown: what comes back first is kept first).
+
+        Chunks whose write failed stay dirty and count as left; a write that is still
+        running at the deadline is abandoned to its IO thread (and counted as left).
+        """
+        t0 = clock.monotonic()
+        deadline = t0 + budget_s
+        flushed = 0
+        failed: set[ChunkKey] = set()
+        batch_n = max(1, self.io.num_threads * 2)
+        while (left_s := deadline - clock.monotonic()) > 0:
+            jobs = self._write_back_batch(batch_n, failed)
+            if not jobs:
+                break
+            done, pending = wait(list(jobs), timeout=left_s)
+            for fut in done:
+                if not fut.cancelled() and fut.exception() is None and fut.result():
+                    flushed += 1
+                else:
+                    failed.add(jobs[fut])
+            if pending:
+                break  # out of time
+        left = len(self.host.index.dirty_keys())
+        return FlushReport(flushed, left, clock.monotonic() - t0)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued lower-tier write has finished (at most ``timeout``
+        seconds); True if none is left."""
+        if self._inflight:
+            wait(list(self._inflight), timeout=timeout)
+        return not self._inflight
+
+    def shutdown(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> FlushReport:
+        """A clean stop: flush dirty chunks (most recent first), finish queued writes, close.
+
+        The whole call is bounded by ``budget_s``: a hung tier cannot hang the engine's
+        shutdown; what was not written by then is logged as left (and lost, as a cache
+        may lose entries: it costs a recompute after the restart).
+        """
+        deadline = clock.monotonic() + budget_s
+        report = self.flush_dirty(budget_s, clock)
+        drained = self.flush(max(0.0, deadline - clock.monotonic()))
+        if report.flushed or report.left or not drained:
+            log.info(
+                "kvtier: shutdown wrote %d dirty chunks to the write-back tiers in %.2f s; "
+                "%d dirty chunks left unwritten%s", report.flushed, report.seconds,
+                report.left, "" if drained else "; queued writes abandoned at the deadline",
+            )
+        self.close(timeout=max(0.0, deadline - clock.monotonic()))
+        return report
+
+    def close(self, timeout: float | None = None) -> None:
+        self.io.close(timeout)
         for tier in self.tiers:
             tier.close()

@@ -162,6 +162,23 @@ class APIServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def terminate_main(self, timeout_s: float = 90.0) -> int | None:
+        """SIGTERM the API server process only, as Kubernetes and ``docker stop`` do (and
+        systemd with ``KillMode=mixed``), and wait for it to exit; returns its exit code.
+
+        vLLM's API server then stops its engine core itself. Signalling the whole process
+        group instead makes the engine core get a second SIGTERM from the API server while
+        it tears down (vLLM restores the default handler by then), which kills it before
+        the connector's shutdown runs.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self) -> None:
         if self.proc is not None:
             _terminate(self.proc)

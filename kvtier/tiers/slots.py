@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -159,24 +159,39 @@ class SlotIndex:
         with self._lock:
             return key in self._by_key
 
-    def take_dirty(self, max_n: int) -> list[tuple[int, ChunkMeta]]:
-        """Pin up to ``max_n`` of the coldest dirty, unpinned chunks for spilling."""
+    def take_dirty(
+        self,
+        max_n: int,
+        *,
+        hottest_first: bool = False,
+        skip: Collection[ChunkKey] = (),
+    ) -> list[tuple[int, ChunkMeta]]:
+        """Pin up to ``max_n`` dirty, unpinned chunks for writing below: the coldest (a
+        spill), or the most recently used (a shutdown flush). Keys in ``skip`` are left."""
         out: list[tuple[int, ChunkMeta]] = []
         with self._lock:
-            for key in self._policy.coldest():
+            order = self._policy.coldest()
+            for key in reversed(list(order)) if hottest_first else order:
                 if len(out) == max_n:
                     break
                 slot = self._by_key[key]
                 s = self._slots[slot]
-                if s.dirty and s.readers == 0:
+                if s.dirty and s.readers == 0 and key not in skip:
                     s.readers += 1
                     assert s.meta is not None
                     out.append((slot, s.meta))
         return out
 
-    def mark_clean(self, slot: int) -> None:
+    def dirty_keys(self) -> set[ChunkKey]:
+        with self._lock:
+            return {k for k, slot in self._by_key.items() if self._slots[slot].dirty}
+
+    def mark_clean(self, slot: int, key: ChunkKey | None = None) -> None:
+        """The slot's chunk is stored below. With ``key``: only if the slot still holds it."""
         with self._lock:
             s = self._expect(slot, SlotState.READY)
+            if key is not None and (s.meta is None or s.meta.key != key):
+                return
             self._dirty -= s.dirty
             s.dirty = False
 

@@ -42,10 +42,11 @@ from typing import Any
 from kvtier.build import build_store
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig, RestoreConfig
+from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
-from kvtier.store import Pinned, TieredStore
+from kvtier.store import Pinned, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
@@ -142,6 +143,13 @@ class SchedulerSide:
         self.clock = clock  # the decode wait deadline; latencies use perf_counter
         self.wait_s = cfg.restore.wait_seconds
         self.lease_s = cfg.retention.lease_seconds
+        self.flusher: IdleFlusher | None = None
+        if cfg.idle_flush_seconds > 0 and any(
+            lt.write is WritePolicy.BACK for lt in self.store.lower
+        ):
+            self.flusher = IdleFlusher(self.store, cfg.idle_flush_seconds, clock=clock)
+            if store is None:  # the engine's own store: run in the background
+                self.flusher.start()
 
     def _build_store(self, pool_path: Any) -> TieredStore:
         host = HostTier(  # the worker allocated and touched this memory
@@ -382,6 +390,8 @@ class SchedulerSide:
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self) -> KVTierMetadata:
         self._step += 1
+        if self.flusher is not None:
+            self.flusher.busy()
         meta = KVTierMetadata(self._step, self._loads, self._to_save)
         if self._load_pins:
             self._pins_by_step[self._step] = self._load_pins
@@ -409,14 +419,18 @@ class SchedulerSide:
         return bool(self._saves)
 
     def reset(self) -> bool:
-        """Drop the host tier (after spilling dirty chunks); lower tiers are kept."""
-        n = self.store.drop_host()
+        """``reset_cache``: empty the host tier; lower tiers are kept (see
+        ``TieredStore.drop_host``). Bounded by ``shutdown_flush_seconds``."""
+        n = self.store.drop_host(self.cfg.shutdown_flush_seconds)
         log.info("kvtier: reset dropped %d host chunks", n)
         return True
 
     def close(self) -> None:
+        """Engine shutdown: flush dirty host chunks below, most recent first, bounded by
+        ``shutdown_flush_seconds``, so a restarted engine restores them."""
         for rid in list(self._lookups):
             self._forget(rid)
-        self.store.flush()
-        self.store.close()
+        if self.flusher is not None:
+            self.flusher.close()
+        self.store.shutdown(self.cfg.shutdown_flush_seconds)
         self.identities.close()

@@ -1,0 +1,174 @@
+"""A clean stop keeps the cache: dirty host chunks are flushed below, most recent first,
+within a budget that a hung tier cannot stretch; ``reset_cache`` empties the host tier."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.clock import ManualClock
+from kvtier.flusher import IdleFlusher
+from kvtier.iopool import IOPool
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta
+from kvtier.store import LowerTier, TieredStore, WritePolicy
+from kvtier.tiers.base import PutStatus, WriteMode
+from kvtier.tiers.file import FileTier
+from kvtier.tiers.host import HostTier
+from tests.tiers.harness import PAYLOAD, make_key, meta_for, payload_for
+
+
+class RecordingTier(FileTier):
+    """A file tier that records the order of puts and can hang them on a gate."""
+
+    def __init__(self, root: Path, gate: threading.Event | None = None,
+                 fail: bool = False) -> None:
+        super().__init__(root, 1 << 30, clock=ManualClock())
+        self.order: list[ChunkKey] = []
+        self.gate = gate
+        self.fail = fail
+
+    def put(self, meta: ChunkMeta, payload: Any, mode: WriteMode = WriteMode.CREATE) -> PutStatus:
+        if self.gate is not None:
+            self.gate.wait(30)  # a hung NFS server: released by the test's cleanup
+        self.order.append(meta.key)
+        return PutStatus.FAILED if self.fail else super().put(meta, payload, mode)
+
+
+def _store(tier: FileTier, slots: int = 10) -> TieredStore:
+    host = HostTier(slots * PAYLOAD, PAYLOAD)
+    return TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(2, 64))
+
+
+def _fill(store: TieredStore, n: int) -> list[ChunkKey]:
+    keys = [make_key(i) for i in range(n)]
+    for k in keys:
+        assert store.put(meta_for(k), payload_for(k))
+    return keys
+
+
+def test_shutdown_writes_dirty_chunks_most_recently_used_first(tmp_path: Path) -> None:
+    tier = RecordingTier(tmp_path / "t")
+    store = _store(tier)
+    keys = _fill(store, 5)
+    store.load([keys[1]]).result().release()  # a hit: now the most recently used
+    report = store.shutdown(budget_s=30)
+    assert (report.flushed, report.left) == (5, 0)
+    assert tier.order == [keys[1], keys[4], keys[3], keys[2], keys[0]]
+    again = FileTier(tmp_path / "t", 1 << 30, clock=ManualClock())  # the restarted node
+    assert again.contains_prefix(keys) == 5
+
+
+def test_shutdown_never_waits_past_its_budget_on_a_hung_tier(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = _store(RecordingTier(tmp_path / "t", gate))
+    try:
+        _fill(store, 5)
+        t0 = time.monotonic()
+        report = store.shutdown(budget_s=0.3)
+        assert time.monotonic() - t0 < 5
+        assert report.flushed == 0 and report.left == 5
+    finally:
+        gate.set()
+
+
+def test_a_zero_budget_closes_at_once(tmp_path: Path) -> None:
+    tier = RecordingTier(tmp_path / "t")
+    store = _store(tier)
+    _fill(store, 3)
+    report = store.shutdown(budget_s=0)
+    assert (report.flushed, report.left) == (0, 3)
+    assert tier.order == []
+
+
+def test_reset_writes_dirty_chunks_then_empties_the_host_tier(tmp_path: Path) -> None:
+    tier = RecordingTier(tmp_path / "t")
+    store = _store(tier)
+    try:
+        keys = _fill(store, 4)
+        pinned = store.load([keys[0]]).result()  # being copied: kept, still dirty
+        assert store.drop_host(budget_s=30) == 3
+        pinned.release()
+        assert store.host.contains_prefix(keys) == 1
+        assert tier.contains_prefix(keys[1:]) == 3  # nothing stored was lost
+        assert store.lookup(keys).hits == 4
+    finally:
+        store.close()
+
+
+def test_reset_keeps_dirty_chunks_it_could_not_write(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = _store(RecordingTier(tmp_path / "t", gate))
+    try:
+        keys = _fill(store, 3)
+        assert store.drop_host(budget_s=0.2) == 0
+        assert store.host.contains_prefix(keys) == 3
+    finally:
+        gate.set()
+        store.close()
+
+
+@pytest.fixture
+def pool() -> Iterator[IOPool]:
+    p = IOPool(1, 8)
+    yield p
+    p.close(timeout=0)
+
+
+def test_iopool_close_with_timeout_cancels_queued_work_and_abandons_a_stuck_task(
+    pool: IOPool,
+) -> None:
+    gate, started = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        gate.wait(30)
+
+    pool.submit_load(stuck)
+    assert started.wait(10)
+    queued = pool.submit_store(lambda: None)
+    assert queued is not None
+    t0 = time.monotonic()
+    pool.close(timeout=0.2)
+    assert time.monotonic() - t0 < 5
+    assert queued.cancelled()
+    gate.set()
+
+
+def test_the_idle_flusher_writes_only_after_the_engine_is_idle(tmp_path: Path) -> None:
+    tier = RecordingTier(tmp_path / "t")
+    store = _store(tier)
+    clock = ManualClock()
+    flusher = IdleFlusher(store, idle_s=2.0, batch=2, clock=clock)
+    try:
+        keys = _fill(store, 3)
+        flusher.busy()
+        clock.advance(1.0)
+        assert flusher.tick() == 0, "the engine stepped 1 s ago"
+        clock.advance(1.5)
+        assert flusher.tick() == 2  # the two most recent first
+        store.flush()
+        assert flusher.tick() == 1
+        store.flush()
+        assert flusher.tick() == 0
+        assert tier.order == [keys[2], keys[1], keys[0]]
+        assert not store.host.index.dirty_keys()
+        assert store.shutdown(budget_s=30).flushed == 0  # nothing left to do
+    finally:
+        flusher.close()
+
+
+def test_a_failed_idle_write_leaves_the_chunk_dirty(tmp_path: Path) -> None:
+    store = _store(RecordingTier(tmp_path / "t", fail=True))  # e.g. the disk is full
+    try:
+        _fill(store, 1)
+        assert store.write_back_some(4) == 1
+        store.flush()
+        assert len(store.host.index.dirty_keys()) == 1
+    finally:
+        store.close()
