@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -123,6 +124,9 @@ class TieredStore:
         self._through = [lt.tier for lt in self.lower if lt.write is WritePolicy.THROUGH]
         self._inflight: set[Future[Any]] = set()
         self.drops = 0
+        #: Called on an IO thread after each verified lower-tier read into a host slot:
+        #: ``(tier name, bytes, seconds)`` (the restore cost model's observations).
+        self.on_read: Callable[[str, int, float], None] | None = None
 
     @property
     def tiers(self) -> list[Tier]:
@@ -315,8 +319,12 @@ class TieredStore:
             if r is None:  # promoted concurrently by someone else
                 got = self.host.acquire(key, expect)
                 return (got, HOST) if got is not None else None
+            t0 = time.perf_counter()
             if not self._fill(r.slot, key, lt.tier, expect):
                 continue
+            if self.on_read is not None:  # verified hits only: what a restore really costs
+                self.on_read(lt.tier.name, expect.payload_len if expect else 0,
+                             time.perf_counter() - t0)
             got = self.host.acquire(key, expect)
             return (got, i) if got is not None else None
         return None

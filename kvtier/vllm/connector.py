@@ -109,7 +109,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler_side.build_meta()
+        return self.scheduler_side.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.on_worker_output(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from typing import Any
 from kvtier.build import build_store
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig, RestoreConfig
+from kvtier.costmodel import CostModel, ThresholdPolicy
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
@@ -54,15 +56,6 @@ from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_pool
 
 log = logging.getLogger("kvtier.vllm")
-
-#: Used for ``recompute_threshold_tokens: auto`` until a measured break-even replaces it.
-AUTO_THRESHOLD_TOKENS = 64
-
-
-def threshold_tokens(cfg: RestoreConfig) -> int:
-    t = cfg.recompute_threshold_tokens
-    return AUTO_THRESHOLD_TOKENS if t == "auto" else t
-
 
 def _request_params(request: Any) -> dict[str, Any]:
     """The request's ``kv_transfer_params["kvtier"]`` (empty if absent or malformed).
@@ -92,6 +85,30 @@ class _Lookup:
     pinned: Pinned | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
+
+
+#: Steps whose output is awaited; vLLM keeps at most two in flight (async scheduling).
+_MAX_STEPS_IN_FLIGHT = 4
+
+
+def _threshold_policy(cfg: RestoreConfig, store: TieredStore) -> ThresholdPolicy:
+    """``recompute_threshold_tokens``: fixed, or ``auto`` (a cost model fed by the store's
+    reads and the engine's step times)."""
+    if cfg.recompute_threshold_tokens != "auto":
+        return ThresholdPolicy.fixed(cfg.recompute_threshold_tokens)
+    model = CostModel(margin=cfg.auto_margin, warmup_steps=cfg.auto_warmup_steps,
+                      host_tier=store.host.name)
+    store.on_read = model.observe_read
+    return ThresholdPolicy.auto(model)
+
+
+@dataclass
+class _StepTiming:
+    """One engine step in flight: when its metadata was built, and what it computes."""
+
+    t_built: float
+    requests: list[tuple[int, int]]  # (tokens computed this step, context before it)
+    loaded_bytes: int
 
 
 @dataclass
@@ -126,8 +143,10 @@ class SchedulerSide:
         self.bs = geometry.block_size
         self.bpc = geometry.blocks_per_chunk(self.ct)
         self.slot_bytes = geometry.chunk_bytes(self.ct)
-        self.threshold = max(1, threshold_tokens(cfg.restore))
         self.store = store or self._build_store(pool_path)
+        self.policy = _threshold_policy(cfg.restore, self.store)
+        self._steps: deque[_StepTiming] = deque()
+        self._last_done = 0.0
         self._lookups: dict[str, _Lookup] = {}
         self._saves: dict[str, _Save] = {}
         self._loads: list[CopyOp] = []
@@ -136,6 +155,7 @@ class SchedulerSide:
         self._pins_by_step: dict[int, list[Pinned]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
+        self._decisions: dict[str, str] = {}  # req -> restore-or-recompute outcome
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
         self.identities = RequestIdentities(namespace, self.ct)
         self._step = 0
@@ -234,11 +254,18 @@ class SchedulerSide:
                 return None, False
             waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
             t0 = time.perf_counter() - waited
-            tokens = min((first + hit.hits) * self.ct, limit)
-            if hit.hits == 0 or tokens - num_computed < self.threshold:
+            if hit.hits == 0:
+                return 0, False
+            d = self.policy.chunks_to_restore(
+                num_computed, self.ct, self.slot_bytes,
+                [self.store.tiers[i].name for i in hit.tiers], limit_tokens=limit,
+            )
+            log.debug("kvtier: %s: %s", rid, d)
+            self._decisions[rid] = d.outcome.value
+            if d.chunks == 0:
                 return 0, False
             lk = _Lookup(keys, first, t0=t0)
-            lk.future = self.store.load(list(hit.keys), self._spec(ns))
+            lk.future = self.store.load(list(hit.keys[: d.chunks]), self._spec(ns))
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
@@ -253,7 +280,9 @@ class SchedulerSide:
         assert lk.pinned is not None
         tokens = min((lk.first_chunk + len(lk.pinned)) * self.ct, limit)
         ext = tokens - num_computed
-        if ext < self.threshold:
+        # A fixed threshold applies to what was staged (a failed read shrinks it); under
+        # ``auto`` the reads are paid for, so what is pinned is claimed.
+        if ext < (self.policy.fixed_tokens or 1):
             self._forget(rid)
             return 0, False
         lk.start_tokens = num_computed
@@ -352,6 +381,7 @@ class SchedulerSide:
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
             "restore_ms": round(restore_ms, 3),
+            "decision": self._decisions.pop(rid, None),
             "expires_at": time.time() + self.lease_s,
             "role": self.role,
             "spilled_bytes": saved * self.slot_bytes,
@@ -388,17 +418,46 @@ class SchedulerSide:
         return len(saves)
 
     # -- per step ---------------------------------------------------------------------------
-    def build_meta(self) -> KVTierMetadata:
+    def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:
         self._step += 1
         if self.flusher is not None:
             self.flusher.busy()
+        if self.policy.model is not None and scheduler_output is not None:
+            self._time_step(scheduler_output)
         meta = KVTierMetadata(self._step, self._loads, self._to_save)
         if self._load_pins:
             self._pins_by_step[self._step] = self._load_pins
         self._loads, self._to_save, self._load_pins = [], [], []
         return meta
 
+    def _time_step(self, so: Any) -> None:
+        """Record what this step computes (``auto``): its time is known at its output."""
+        per_req: dict[str, int] = getattr(so, "num_scheduled_tokens", None) or {}
+        if not per_req:
+            return
+        reqs = [(per_req.get(r.req_id, 0), int(r.num_computed_tokens))
+                for r in getattr(so, "scheduled_new_reqs", ())]
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        if cached is not None:
+            reqs += [(per_req.get(rid, 0), int(n)) for rid, n in
+                     zip(cached.req_ids, cached.num_computed_tokens, strict=False)]
+        blocks = sum(len(op.block_ids) for op in self._loads)
+        if len(self._steps) >= _MAX_STEPS_IN_FLIGHT:
+            self._steps.popleft()  # an output that never came: never let timings drift
+        self._steps.append(_StepTiming(time.perf_counter(), [r for r in reqs if r[0]],
+                                       blocks * self.slot_bytes // self.bpc))
+
+    def _step_done(self) -> None:
+        if not self._steps or self.policy.model is None:
+            return
+        step = self._steps.popleft()
+        now = time.perf_counter()
+        seconds = now - max(step.t_built, self._last_done)  # async scheduling: queued
+        self._last_done = now
+        self.policy.model.observe_step(step.requests, seconds, loaded_bytes=step.loaded_bytes)
+
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
+        self._step_done()
         failed: set[str] = set()
         if isinstance(worker_meta, KVTierWorkerMetadata):
             for step in worker_meta.loaded_steps:

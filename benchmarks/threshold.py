@@ -1,0 +1,280 @@
+"""Adaptive recompute threshold (``recompute_threshold_tokens: auto``) against fixed ones.
+
+For each prompt length of a ladder and each tier the stored prefix is restored from,
+the TTFT (a one-token generate) of three policies, on a real vLLM engine:
+
+* ``recompute``  ``kv_transfer_params {"kvtier": {"load": false}}``: the reference, measured
+                 in the same engine just before the others
+* ``restore``    an engine with ``recompute_threshold_tokens: 1`` (always restore)
+* ``auto``       an engine with ``recompute_threshold_tokens: auto``, warmed up first with
+                 ``--warmup`` prefills of varied lengths so its step model is past cold
+
+Each policy's TTFT is divided by the recompute reference of its own engine, and ``auto``
+by the best of the other two ("oracle": 1.0 means auto chose as well as hindsight).
+Tiers: ``host`` (vLLM's prefix cache reset), ``file`` (kvtier's host tier dropped, page
+cache dropped), ``s3`` (file objects deleted too; a local moto server unless
+``--s3-endpoint``). Writes ``<out>/threshold.json`` and ``threshold.png``.
+
+Until the cost model is wired into the connector, ``auto`` is a fixed 64-token threshold
+and behaves like ``restore``; ``auto_decisions`` in the JSON stays empty then.
+``--smoke``: the tiny model, two short prompts, host and file, the ``auto`` engine only
+(one engine start: a second would double the time), to check the script end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.machine import describe
+from benchmarks.restore_vs_recompute import drop_page_cache, restored
+from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
+from kvtier.testing.models import build_bench_llama, build_tiny_llama
+from kvtier.vllm.settings import kv_transfer_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TIERS = ("host", "file", "s3")
+NO_LOAD = {"kvtier": {"load": False}}
+NO_CACHE = {"kvtier": {"load": False, "save": False}}
+
+
+def engine_yaml(path: Path, store: Path, s3: tuple[str, str] | None, prefix: str,
+                threshold: int | str, warmup_steps: int) -> Path:
+    tiers: list[dict[str, Any]] = [
+        {"host": {"capacity": "2GiB"}},
+        {"file": {"path": str(store), "capacity": "20GiB", "write": "through"}},
+    ]
+    if s3 is not None:
+        tiers.append({"s3": {"bucket": s3[1], "prefix": prefix, "endpoint_url": s3[0],
+                             "region": "us-east-1", "path_style": True, "capacity": "20GiB",
+                             "write": "through"}})
+    restore: dict[str, Any] = {"recompute_threshold_tokens": threshold}
+    if threshold == "auto":
+        restore["auto_warmup_steps"] = warmup_steps
+    path.write_text(json.dumps({"chunk_tokens": 256, "tiers": tiers, "restore": restore}))
+    return path
+
+
+class Runner:
+    """One engine, one policy: measures the recompute reference and each tier's restore."""
+
+    def __init__(self, engine: LLMWorker, store: Path, vocab: int) -> None:
+        self.engine, self.store, self.vocab = engine, store, vocab
+
+    def ttft(self, prompt: list[int], *, reset: bool,
+             params: dict[str, Any] | None = None) -> tuple[float, CompletionResult]:
+        t0 = time.perf_counter()
+        out = self.engine.generate([prompt], max_tokens=1, reset_prefix_cache=reset,
+                                   kv_transfer_params=[params]).outputs[0]
+        return time.perf_counter() - t0, out
+
+    def reset_all(self) -> None:
+        for _ in range(50):  # False while a delayed-free save is still in flight
+            if self.engine.reset_prefix_cache(reset_connector=True):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("reset_prefix_cache kept failing")
+
+    def warm_up(self, n: int, max_len: int) -> None:
+        """Prefills of varied lengths that neither load nor store: the step model's data."""
+        rng = random.Random(7)
+        for i in range(n):
+            length = rng.randrange(64, max_len)
+            self.ttft(tokens(length, seed=10_000 + i, vocab=self.vocab), reset=False,
+                      params=NO_CACHE)
+
+    def measure(self, prompt: list[int], tiers: list[str]) -> dict[str, Any]:
+        """The reference, then a restore from each of ``tiers`` (in host, file, s3 order)."""
+        self.ttft(prompt, reset=False)  # compute and store
+        self.ttft(prompt, reset=False)  # a vLLM hit: lets the delayed-free save finish
+        row: dict[str, Any] = {}
+        row["recompute"], _ = self.ttft(prompt, reset=True, params=NO_LOAD)
+        for tier in TIERS:
+            if tier == "file":
+                self.reset_all()
+                drop_page_cache(self.store)
+            elif tier == "s3":
+                self.reset_all()
+                shutil.rmtree(self.store / "kv", ignore_errors=True)
+            if tier in tiers:
+                row[tier], out = self.ttft(prompt, reset=True)
+                params = (out.kv_transfer_params or {}).get("kvtier", {})
+                row[f"{tier}_restored"] = sum(restored(out).values())
+                if "decision" in params:
+                    row[f"{tier}_decision"] = params["decision"]
+        return row
+
+
+def run_policy(policy: str, args: argparse.Namespace, model: Path,
+               work: Path, s3: tuple[str, str] | None, lengths: list[int],
+               tiers: list[str], vocab: int) -> dict[tuple[int, int], dict[str, Any]]:
+    store = work / f"store-{policy}"
+    threshold: int | str = "auto" if policy == "auto" else 1
+    cfg = engine_yaml(work / f"{policy}.yaml", store, s3, f"{policy}/", threshold,
+                      args.warmup_steps)
+    print(f"[{policy}] starting vLLM ...", flush=True)
+    with LLMWorker(work / f"engine-{policy}", model=str(model), kv_cache_gib=2,
+                   max_model_len=max(lengths) + 64, enable_prefix_caching=True,
+                   kv_transfer_config=kv_transfer_config(cfg)) as engine:
+        print(f"[{policy}] engine up in {engine.startup_s:.0f} s", flush=True)
+        runner = Runner(engine, store, vocab)
+        if policy == "auto":
+            runner.warm_up(args.warmup, max(lengths))
+        return {(n, rep): runner.measure(tokens(n, seed=n * 100 + rep, vocab=vocab), tiers)
+                for n in lengths for rep in range(args.reps)}
+
+
+def summarise(results: dict[str, dict[tuple[int, int], dict[str, Any]]],
+              lengths: list[int], tiers: list[str]) -> list[dict[str, Any]]:
+    """One row per (length, tier): median TTFTs, ratios to the same engine's reference."""
+    rows = []
+    for n in lengths:
+        for tier in tiers:
+            row: dict[str, Any] = {"tokens": n, "tier": tier}
+            for policy, by_prompt in results.items():
+                runs = [r for (length, _), r in by_prompt.items() if length == n]
+                ref = statistics.median(r["recompute"] for r in runs)
+                ttft = statistics.median(r[tier] for r in runs)
+                row[f"{policy}_recompute_s"] = round(ref, 4)
+                row[f"{policy}_s"] = round(ttft, 4)
+                row[f"{policy}_vs_recompute"] = round(ttft / ref, 3)
+                row[f"{policy}_restored"] = [r[f"{tier}_restored"] for r in runs]
+                decisions = [r[f"{tier}_decision"] for r in runs if f"{tier}_decision" in r]
+                if decisions:
+                    row[f"{policy}_decisions"] = decisions
+            if "auto" in results and "restore" in results:
+                best = min(1.0, row["restore_vs_recompute"])
+                row["auto_vs_oracle"] = round(row["auto_vs_recompute"] / best, 3)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    head = f"{'tokens':>7} {'tier':<5} {'recompute s':>11} " + " ".join(
+        f"{p + ' s':>10} {p + '/rec':>11}" for p in policies)
+    if "auto_vs_oracle" in rows[0]:
+        head += f" {'auto/oracle':>11}"
+    lines = [head]
+    for r in rows:
+        ref = r[f"{policies[0]}_recompute_s"]
+        cells = f"{r['tokens']:>7} {r['tier']:<5} {ref:>11.3f} " + " ".join(
+            f"{r[p + '_s']:>10.3f} {r[p + '_vs_recompute']:>10.2f}x" for p in policies)
+        if "auto_vs_oracle" in r:
+            cells += f" {r['auto_vs_oracle']:>10.2f}x"
+        lines.append(cells)
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], policies: list[str], tiers: list[str], out: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tiers), figsize=(4.5 * len(tiers), 4), squeeze=False)
+    for ax, tier in zip(axes[0], tiers, strict=True):
+        mine = [r for r in rows if r["tier"] == tier]
+        xs = [r["tokens"] for r in mine]
+        ax.plot(xs, [r[f"{policies[0]}_recompute_s"] for r in mine], marker="o",
+                label="recompute (reference)", color="gray")
+        for p in policies:
+            ax.plot(xs, [r[f"{p}_s"] for r in mine], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"stored prefix in {tier}")
+        ax.set_xlabel("prompt tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("TTFT (s)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, 2 prompts, host+file, auto engine only")
+    ap.add_argument("--model", default=None, help="model path (default: build the preset)")
+    ap.add_argument("--preset", choices=["bench90m", "tiny"], default="bench90m")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--tiers", default="host,file,s3")
+    ap.add_argument("--policies", default="restore,auto")
+    ap.add_argument("--reps", type=int, default=1, help="prompts per length (medians kept)")
+    ap.add_argument("--warmup", type=int, default=32, help="warm-up prefills (auto engine)")
+    ap.add_argument("--warmup-steps", type=int, default=20, help="restore.auto_warmup_steps")
+    ap.add_argument("--s3-endpoint", default=None, help="default: start a local moto server")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.preset, args.lengths, args.tiers, args.warmup = "tiny", "512,1024", "host,file", 4
+        args.policies = "auto"
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tiers = [t for t in TIERS if t in args.tiers.split(",")]
+    policies = [p for p in ("restore", "auto") if p in args.policies.split(",")]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    results: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvth-",
+                                                                    dir=args.workdir)))
+        if args.model:
+            model = Path(args.model)
+        elif args.preset == "tiny":
+            model = build_tiny_llama(Path(args.cache_dir) / "tiny-bf16", dtype="bfloat16")
+        else:
+            model = build_bench_llama(Path(args.cache_dir) / "bench-90m")
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+        s3 = None
+        if "s3" in tiers:
+            from kvtier.testing.s3server import dummy_credentials, moto_server
+
+            if args.s3_endpoint is None:
+                stack.enter_context(dummy_credentials())
+            endpoint = args.s3_endpoint or stack.enter_context(moto_server())
+            import boto3
+
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+                Bucket="kvtier-threshold")
+            s3 = (endpoint, "kvtier-threshold")
+        for policy in policies:  # one engine at a time: a small machine holds one
+            results[policy] = run_policy(policy, args, model, work, s3, lengths,
+                                         tiers, vocab)
+    rows = summarise(results, lengths, tiers)
+    report = {"benchmark": "threshold", "model": str(model), "preset": args.preset,
+              "lengths": lengths, "tiers": tiers, "policies": policies, "reps": args.reps,
+              "warmup": args.warmup, "machine": describe(), "rows": rows,
+              "raw": {p: [{"tokens": n, "rep": rep, **r} for (n, rep), r in by.items()]
+                      for p, by in results.items()},
+              "wall_s": round(time.perf_counter() - t_start, 1)}
+    (out / "threshold.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table(rows, policies))
+    if "auto" in policies and not any("auto_decisions" in r for r in rows):
+        print("note: no auto decisions reported in kv_transfer_params: the connector "
+              "may not use kvtier.costmodel yet (auto = fixed 64 tokens)")
+    if plot(rows, policies, tiers, out / "threshold.png"):
+        print(f"wrote {out / 'threshold.json'} and {out / 'threshold.png'}")
+    else:
+        print(f"wrote {out / 'threshold.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

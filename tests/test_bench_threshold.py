@@ -1,0 +1,34 @@
+"""benchmarks/threshold.py --smoke runs end to end (one tiny engine, ~40 s on 2 cores).
+
+Numbers are not checked, the shape is: what ``auto`` decides depends on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.vllm
+def test_threshold_benchmark_smoke(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "benchmarks/threshold.py", "--smoke", "--out-dir", str(tmp_path),
+         "--cache-dir", str(tmp_path / "models")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "threshold.json").read_text())
+    rows = report["rows"]
+    assert [(row["tokens"], row["tier"]) for row in rows] == [
+        (512, "host"), (512, "file"), (1024, "host"), (1024, "file")]
+    for row in rows:
+        assert row["auto_s"] > 0 and row["auto_recompute_s"] > 0
+        # vLLM always computes the last block itself: at most tokens - 128 restored.
+        assert all(0 <= n <= row["tokens"] - 128 for n in row["auto_restored"])
+    assert (tmp_path / "threshold.png").stat().st_size > 0
+    assert "auto/rec" in r.stdout
