@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,8 +41,7 @@ from typing import Any
 
 from kvtier.build import build_store
 from kvtier.clock import SYSTEM_CLOCK, Clock
-from kvtier.config import KVTierConfig, RestoreConfig
-from kvtier.costmodel import CostModel, ThresholdPolicy
+from kvtier.config import KVTierConfig
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
@@ -54,6 +52,7 @@ from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_pool
+from kvtier.vllm.threshold import StepTimer, threshold_policy
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -85,30 +84,6 @@ class _Lookup:
     pinned: Pinned | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
-
-
-#: Steps whose output is awaited; vLLM keeps at most two in flight (async scheduling).
-_MAX_STEPS_IN_FLIGHT = 4
-
-
-def _threshold_policy(cfg: RestoreConfig, store: TieredStore) -> ThresholdPolicy:
-    """``recompute_threshold_tokens``: fixed, or ``auto`` (a cost model fed by the store's
-    reads and the engine's step times)."""
-    if cfg.recompute_threshold_tokens != "auto":
-        return ThresholdPolicy.fixed(cfg.recompute_threshold_tokens)
-    model = CostModel(margin=cfg.auto_margin, warmup_steps=cfg.auto_warmup_steps,
-                      host_tier=store.host.name)
-    store.on_read = model.observe_read
-    return ThresholdPolicy.auto(model)
-
-
-@dataclass
-class _StepTiming:
-    """One engine step in flight: when its metadata was built, and what it computes."""
-
-    t_built: float
-    requests: list[tuple[int, int]]  # (tokens computed this step, context before it)
-    loaded_bytes: int
 
 
 @dataclass
@@ -144,9 +119,10 @@ class SchedulerSide:
         self.bpc = geometry.blocks_per_chunk(self.ct)
         self.slot_bytes = geometry.chunk_bytes(self.ct)
         self.store = store or self._build_store(pool_path)
-        self.policy = _threshold_policy(cfg.restore, self.store)
-        self._steps: deque[_StepTiming] = deque()
-        self._last_done = 0.0
+        self.policy = threshold_policy(cfg.restore, self.store, self.slot_bytes,
+                                       probe=store is None)
+        self.step_timer = (None if self.policy.model is None
+                           else StepTimer(self.policy.model, self.slot_bytes // self.bpc))
         self._lookups: dict[str, _Lookup] = {}
         self._saves: dict[str, _Save] = {}
         self._loads: list[CopyOp] = []
@@ -422,42 +398,17 @@ class SchedulerSide:
         self._step += 1
         if self.flusher is not None:
             self.flusher.busy()
-        if self.policy.model is not None and scheduler_output is not None:
-            self._time_step(scheduler_output)
+        if self.step_timer is not None and scheduler_output is not None:
+            self.step_timer.built(scheduler_output, self._loads)
         meta = KVTierMetadata(self._step, self._loads, self._to_save)
         if self._load_pins:
             self._pins_by_step[self._step] = self._load_pins
         self._loads, self._to_save, self._load_pins = [], [], []
         return meta
 
-    def _time_step(self, so: Any) -> None:
-        """Record what this step computes (``auto``): its time is known at its output."""
-        per_req: dict[str, int] = getattr(so, "num_scheduled_tokens", None) or {}
-        if not per_req:
-            return
-        reqs = [(per_req.get(r.req_id, 0), int(r.num_computed_tokens))
-                for r in getattr(so, "scheduled_new_reqs", ())]
-        cached = getattr(so, "scheduled_cached_reqs", None)
-        if cached is not None:
-            reqs += [(per_req.get(rid, 0), int(n)) for rid, n in
-                     zip(cached.req_ids, cached.num_computed_tokens, strict=False)]
-        blocks = sum(len(op.block_ids) for op in self._loads)
-        if len(self._steps) >= _MAX_STEPS_IN_FLIGHT:
-            self._steps.popleft()  # an output that never came: never let timings drift
-        self._steps.append(_StepTiming(time.perf_counter(), [r for r in reqs if r[0]],
-                                       blocks * self.slot_bytes // self.bpc))
-
-    def _step_done(self) -> None:
-        if not self._steps or self.policy.model is None:
-            return
-        step = self._steps.popleft()
-        now = time.perf_counter()
-        seconds = now - max(step.t_built, self._last_done)  # async scheduling: queued
-        self._last_done = now
-        self.policy.model.observe_step(step.requests, seconds, loaded_bytes=step.loaded_bytes)
-
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
-        self._step_done()
+        if self.step_timer is not None:
+            self.step_timer.done()
         failed: set[str] = set()
         if isinstance(worker_meta, KVTierWorkerMetadata):
             for step in worker_meta.loaded_steps:
