@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
+from kvtier.health import Breaker
 from kvtier.iopool import IOPool
 from kvtier.store import LowerTier, TieredStore, WritePolicy
 from kvtier.tiers.base import SharedTier
@@ -49,6 +50,8 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
         part_size=spec.part_size,
         max_concurrency=spec.max_concurrency,
         max_attempts=spec.max_attempts,
+        connect_timeout=spec.connect_timeout,
+        read_timeout=spec.read_timeout,
         touch_interval=spec.touch_interval,
         clock=clock,
         name=f"s3{index}",
@@ -94,4 +97,11 @@ def build_store(
     host = host or build_host(cfg.host, slot_bytes)
     lower = build_lower_tiers(cfg, clock)
     io = IOPool(cfg.io.threads, cfg.io.max_queued_stores)
-    return TieredStore(host, lower, io)
+    h = cfg.health
+    breakers = [
+        Breaker(lt.tier.name, failures=h.failures, slow_s=h.slow_seconds,
+                cooldown_s=h.cooldown_seconds, max_in_flight=max(1, cfg.io.threads - 1),
+                clock=clock)
+        for lt in lower
+    ]
+    return TieredStore(host, lower, io, breakers=breakers)

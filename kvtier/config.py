@@ -111,7 +111,11 @@ class S3Config(_Model):
     multipart_threshold: Size = 64 * 2**20
     part_size: Size = 16 * 2**20
     max_concurrency: int = Field(4, ge=1, le=64)
-    max_attempts: int = Field(5, ge=1, le=20)
+    #: Tries per request (backoff between them). A cache gives up fast: seconds, not
+    #: minutes, before a restore becomes a recompute.
+    max_attempts: int = Field(3, ge=1, le=20)
+    connect_timeout: float = Field(1.0, gt=0, le=120)
+    read_timeout: float = Field(3.0, gt=0, le=600)
     touch_interval: float = Field(60.0, ge=0)
 
 
@@ -141,8 +145,22 @@ class IOConfig(_Model):
     max_queued_stores: int = Field(256, ge=1)
 
 
+class HealthConfig(_Model):
+    """The circuit breaker of every lower tier (``kvtier/health.py``)."""
+
+    #: Consecutive failed (or slower than ``slow_seconds``) calls that mark a tier down.
+    failures: int = Field(3, ge=1, le=1000)
+    #: A call slower than this failed; one still running after this marks the tier down.
+    slow_seconds: float = Field(5.0, gt=0, le=600)
+    #: How long a down tier is skipped before one trial call.
+    cooldown_seconds: float = Field(10.0, ge=0, le=3600)
+
+
 class RestoreConfig(_Model):
     recompute_threshold_tokens: int | Literal["auto"] = 64
+    #: How long a request waits for lower tiers to answer "is it there?" (asked on IO
+    #: threads, never on vLLM's scheduler thread) before it is recomputed.
+    lookup_timeout_seconds: float = Field(1.0, gt=0, le=600)
     #: P/D decode node: how long to wait for the chunks the prefill node announced
     #: (``kv_transfer_params``) to become visible in the shared tier before computing.
     wait_seconds: float = Field(10.0, ge=0, le=600)
@@ -180,6 +198,7 @@ class KVTierConfig(_Model):
     copy_backend: Literal["auto", "native", "torch"] = "auto"
     tiers: list[TierEntry] = Field(min_length=1)
     io: IOConfig = IOConfig()
+    health: HealthConfig = HealthConfig()
     restore: RestoreConfig = RestoreConfig()
     retention: RetentionConfig = RetentionConfig()
     #: On a clean shutdown, seconds spent writing dirty host chunks to the write-back

@@ -71,6 +71,12 @@ OP_SECONDS = Series(
 )
 DROPS = Series("kvtier_drops_total", _C, "Stores dropped instead of blocking", ("reason",))
 QUEUE_DEPTH = Series("kvtier_io_queue_depth", _G, "Queued I/O operations", ("queue",))
+TIER_UP = Series("kvtier_tier_up", _G, "1 while the tier is used, 0 while its breaker is open",
+                 ("tier",))
+THRESHOLD_DECISIONS = Series(
+    "kvtier_threshold_decisions_total", _C, "Restore-or-recompute decisions, by outcome",
+    ("outcome",),
+)
 RESTORED_TOKENS = Series(
     "kvtier_restored_tokens_total", _C, "Tokens restored into vLLM's KV cache, by source tier",
     ("tier",),
@@ -103,7 +109,8 @@ SERIES: dict[str, Series] = {
     s.name: s
     for s in (
         HITS, MISSES, BYTES_WRITTEN, BYTES_READ, ERRORS, CORRUPTIONS, EVICTIONS, USED,
-        OP_SECONDS, DROPS, QUEUE_DEPTH, RESTORED_TOKENS, RESTORED_REQUESTS, SPILLED,
+        OP_SECONDS, DROPS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
+        RESTORED_REQUESTS, SPILLED,
         WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
         DROPPED_OBSERVATIONS,
     )
@@ -295,6 +302,14 @@ def record_drop(reason: str) -> None:
 
 def set_queue_depth(queue: str, depth: int) -> None:
     _set(QUEUE_DEPTH, depth, queue)
+
+
+def set_tier_up(tier: str, up: bool) -> None:
+    _set(TIER_UP, 1 if up else 0, tier)
+
+
+def record_threshold_decision(outcome: str) -> None:
+    _add(THRESHOLD_DECISIONS, 1, outcome)
 
 
 def record_restore(tokens_by_tier: dict[str, int]) -> None:

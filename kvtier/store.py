@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.health import Breaker, TierUnavailable
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
@@ -114,9 +116,19 @@ class TieredStore:
         *,
         spill_batch: int = 8,
         clean_reserve: float = 0.1,
+        breakers: Sequence[Breaker] | None = None,
     ) -> None:
         self.host = host
         self.lower = list(lower)
+        #: One circuit breaker per lower tier (``kvtier/health.py``), in ``lower`` order.
+        self.breakers = list(breakers) if breakers is not None else [
+            Breaker(lt.tier.name, max_in_flight=max(1, io.num_threads - 1))
+            for lt in self.lower
+        ]
+        if len(self.breakers) != len(self.lower):
+            raise ValueError("one breaker per lower tier")
+        self._breaker_of = {id(lt.tier): b for lt, b in zip(self.lower, self.breakers,
+                                                             strict=True)}
         self.io = io
         self._spill_batch = spill_batch
         self._reserve_slots = max(1, int(host.pool.num_slots * clean_reserve))
@@ -133,7 +145,73 @@ class TieredStore:
         return [self.host, *(lt.tier for lt in self.lower)]
 
     # -- lookup ------------------------------------------------------------------------
+    def lookup_indexed(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """The stored prefix as this process's indexes know it. Memory only: vLLM's
+        scheduler thread calls it. Tiers whose breaker is open are skipped."""
+        n_host = self.host.contains_prefix(keys)
+        where = [HOST] * n_host
+        usable = [(i, lt.tier) for i, (lt, b) in
+                  enumerate(zip(self.lower, self.breakers, strict=True), start=1) if b.up]
+        for key in keys[n_host:]:
+            if self.host.indexed(key):
+                where.append(HOST)
+                continue
+            i = next((i for i, tier in usable if tier.indexed(key)), None)
+            if i is None:
+                break
+            where.append(i)
+        return Lookup(tuple(keys[: len(where)]), tuple(where))
+
+    def can_probe(self) -> bool:
+        """Memory only: would ``probe`` ask any lower tier now? (No tier, every tier
+        down, or every tier at its read bound: asking would only queue behind a hang.)"""
+        return any(b.available() for b in self.breakers)
+
+    def probe(self, keys: Sequence[ChunkKey]) -> Future[int]:
+        """Ask the lower tiers themselves (on an IO thread, ahead of stores) how many of
+        ``keys`` lead a stored prefix: objects other nodes wrote, which this process's
+        index does not know yet. The answer refreshes the indexes, so the next
+        ``lookup_indexed`` sees them. A tier that is down, or has as many reads in flight
+        as its breaker allows, is not asked. The future never raises."""
+        keys = list(keys)
+
+        def job() -> int:
+            n = 0
+            for key in keys:
+                if self.host.indexed(key) or any(
+                    self._ask(lt.tier, key) for lt in self.lower
+                ):
+                    n += 1
+                else:
+                    break
+            return n
+
+        return self.io.submit_load(job)
+
+    def _ask(self, tier: SharedTier, key: ChunkKey) -> bool:
+        """``tier.contains_prefix([key])`` under its breaker; False if it may not be asked."""
+        try:
+            with self._call(tier, read=True):
+                return tier.contains_prefix([key]) == 1
+        except TierUnavailable:
+            return False
+
+    @contextmanager
+    def _call(self, tier: Tier, *, read: bool) -> Iterator[None]:
+        """One call to a lower tier under its breaker: raises ``TierUnavailable`` if the
+        tier may not be called; a call that counted an error is a failure."""
+        breaker = self._breaker_of.get(id(tier))
+        if breaker is None:
+            yield
+            return
+        with breaker.call(read=read) as call:
+            errors = tier.metrics.counts.errors
+            yield
+            if tier.metrics.counts.errors > errors:
+                call.fail()
+
     def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """Authoritative lookup: may ask the tiers (I/O). IO threads and tools only."""
         n_host = self.host.contains_prefix(keys)
         where = [HOST] * n_host
         for key in keys[n_host:]:
@@ -237,11 +315,18 @@ class TieredStore:
         return fut
 
     def _write_slot(self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier]) -> bool:
-        """Write one pinned host slot to ``tiers``; True if every tier now holds it."""
+        """Write one pinned host slot to ``tiers``; True if every tier now holds it. A tier
+        whose breaker is open is skipped and the write counted as dropped."""
         view = self.host.view(slot, meta.payload_len).data
         ok = True
         for tier in tiers:
-            status = tier.put(meta, view, WriteMode.CREATE)
+            try:
+                with self._call(tier, read=False):
+                    status = tier.put(meta, view, WriteMode.CREATE)
+            except TierUnavailable:
+                self._drop("tier_down")
+                ok = False
+                continue
             ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
         return ok
 
@@ -313,14 +398,20 @@ class TieredStore:
         self, key: ChunkKey, expect: ChunkSpec | None
     ) -> tuple[tuple[int, ChunkMeta], int] | None:
         for i, lt in enumerate(self.lower, start=1):
-            if lt.tier.contains_prefix([key]) == 0:
-                continue
+            t0 = time.perf_counter()
+            if not (lt.tier.indexed(key) or self._ask(lt.tier, key)):
+                continue  # (an indexed object that is gone is a miss of get_into below)
             r = self.host.reserve(ChunkMeta(b"", key, None, 0, "uint8", (0,), 0))
             if r is None:  # promoted concurrently by someone else
                 got = self.host.acquire(key, expect)
                 return (got, HOST) if got is not None else None
-            t0 = time.perf_counter()
-            if not self._fill(r.slot, key, lt.tier, expect):
+            try:
+                with self._call(lt.tier, read=True):
+                    filled = self._fill(r.slot, key, lt.tier, expect)
+            except TierUnavailable:
+                self.host.abort(r.slot)
+                continue
+            if not filled:
                 continue
             if self.on_read is not None:  # verified hits only: what a restore really costs
                 self.on_read(lt.tier.name, expect.payload_len if expect else 0,

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey
+from kvtier.metrics import TierMetrics
 from kvtier.objformat import ChunkMeta, ChunkSpec
 
 
@@ -60,8 +61,17 @@ class TierUsage:
 class Tier(Protocol):
     """A store of verified chunks keyed by ``ChunkKey``."""
 
+    #: Counters of this tier (hits, misses, bytes, errors, ...).
+    metrics: TierMetrics
+
     @property
     def name(self) -> str: ...
+
+    def indexed(self, key: ChunkKey) -> bool:
+        """Known to this process's index: memory only, never I/O (vLLM's scheduler thread
+        may call it). A persistent tier's index can be stale both ways: ``contains_prefix``
+        asks the store itself."""
+        ...
 
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int: ...
 

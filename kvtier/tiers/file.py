@@ -25,6 +25,15 @@ Invariants, chosen to hold on NFS with several writers:
   unconditionally; ``expire`` rescans the directory (other nodes' objects included) and
   removes objects whose mtime is older than the lease, re-stating each one first so a
   lease another node renewed meanwhile is honoured.
+* No I/O under the index lock (``RecencyIndex``), so ``contains_prefix`` of an indexed key
+  (vLLM's scheduler thread) never waits for a ``stat`` or ``unlink`` (5 ms each on NFS).
+  The collector and ``expire`` pick victims from a snapshot of the index, stat and unlink
+  unlocked, skip a victim this node read, wrote or renewed since the snapshot, and drop
+  only the entry they picked. A use in the window between that check (or the re-stat, for
+  other nodes) and the unlink costs a recompute, never wrong KV: that window exists for
+  any collector on NFS without locks. One collection at a time: ``collect`` returns at
+  once while one runs, ``expire`` and ``remove_stale_temps`` wait for it.
+* Any thread may call any method; the data-path methods never raise on I/O faults.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -54,22 +64,12 @@ from kvtier.objformat import (
 )
 from kvtier.tiers import fsutil
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierError, TierUsage, WriteMode
-from kvtier.tiers.recency import RecencyIndex, TempIndex
+from kvtier.tiers.recency import Entry, RecencyIndex, TempIndex
 
 log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
-
-
-def _read_exact(fd: int, dst: memoryview) -> int:
-    got = 0
-    while got < dst.nbytes:
-        n = os.readv(fd, [dst[got:]])
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 class FileTier:
@@ -101,6 +101,7 @@ class FileTier:
         self.metrics = TierMetrics(name)
         self._recency = RecencyIndex()
         self._temps = TempIndex()
+        self._collecting = threading.Lock()  # one collection at a time; held across I/O
         self.removed_temps = 0  # stale temp files this instance removed (start scan included)
         self._check_writable(setting)
         self.rescan()
@@ -134,19 +135,6 @@ class FileTier:
         return self._dir / h[0:2] / h[2:4] / f"{h}{_SUFFIX}"
 
     # -- index ---------------------------------------------------------------------------
-    def _walk(self) -> Iterator[os.DirEntry[str]]:
-        """Entries of the leaf directories, and files in ``kv/`` itself (probes).
-        Symlinked directories are not followed."""
-        for d1 in os.scandir(self._dir):
-            if not d1.is_dir(follow_symlinks=False):
-                yield d1
-                continue
-            if len(d1.name) != 2:
-                continue
-            for d2 in os.scandir(d1.path):
-                if d2.is_dir(follow_symlinks=False) and len(d2.name) == 2:
-                    yield from os.scandir(d2.path)
-
     def rescan(self) -> None:
         """Rebuild the index from what is on disk (other nodes' writes included), and
         remove temp files past the grace period."""
@@ -156,7 +144,7 @@ class FileTier:
     def _scan(self) -> None:
         found: list[tuple[float, ChunkKey, int]] = []
         temps: list[tuple[str, int, float]] = []
-        for entry in self._walk():
+        for entry in fsutil.walk_leaves(self._dir):
             temp = entry.name.endswith(_TMP_SUFFIX)
             if not temp and not entry.name.endswith(_SUFFIX):
                 continue
@@ -215,6 +203,10 @@ class FileTier:
                 os.unlink(path)
 
     # -- Tier protocol -------------------------------------------------------------------
+    def indexed(self, key: ChunkKey) -> bool:
+        """In this node's index (memory only; may be stale, see ``contains_prefix``)."""
+        return key in self._recency
+
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
         for i, key in enumerate(keys):
             if not self._known(key):
@@ -243,12 +235,12 @@ class FileTier:
         try:
             size = os.fstat(fd).st_size
             head = memoryview(bytearray(HEADER_SPAN))
-            n = _read_exact(fd, head)
+            n = fsutil.read_exact(fd, head)
             meta, csum = decode_header(
                 head[:n], expect_key=key, expect=expect, object_len=size, max_payload=dst.nbytes
             )
             body = dst[: meta.payload_len]
-            if _read_exact(fd, body) != meta.payload_len:
+            if fsutil.read_exact(fd, body) != meta.payload_len:
                 raise CorruptObject("truncated payload")
             verify_payload(meta, csum, body)
         except CorruptObject as e:
@@ -268,11 +260,10 @@ class FileTier:
 
     def _touch(self, key: ChunkKey, path: Path, size: int) -> None:
         now = self._clock.wall()
-        with self._recency.lock:
-            entry = self._recency.get(key)
-            if entry is not None and now - entry.last_used < self._touch_interval:
-                self._recency.refresh(key)
-                return
+        entry = self._recency.get(key)
+        if entry is not None and now - entry.last_used < self._touch_interval:
+            self._recency.refresh(key)
+            return
         with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
             os.utime(path, (now, now), follow_symlinks=False)
         self._recency.remember(key, size, now)
@@ -370,11 +361,16 @@ class FileTier:
 
     def collect(self) -> int:
         """Remove stale temp files, then delete least recently used objects until usage
-        (temp files included) is under the low watermark."""
-        with self._recency.lock:
+        (temp files included) is under the low watermark. Returns 0 at once if another
+        thread is collecting."""
+        if not self._collecting.acquire(blocking=False):
+            return 0
+        try:
             if len(self._temps):
                 self._sweep_temps(self._temp_grace, recheck=self._used() > self.capacity)
-            return self._collect_locked()
+            return self._evict_coldest()
+        finally:
+            self._collecting.release()
 
     def _sweep_temps(self, grace: float, *, recheck: bool = True) -> int:
         """Forget known temp files that are gone; remove those not written to for
@@ -403,30 +399,42 @@ class FileTier:
         self._report_used()
         return removed
 
-    def _collect_locked(self) -> int:
+    def _evict_coldest(self) -> int:
         if self._used() <= self.capacity:
             return 0
         target = int(self.capacity * self._low_watermark)
         freed = 0
-        for key, entry in self._recency.items():
+        for key, seen in self._recency.items():
             if self._used() <= target:
                 break
-            path = self.path_of(key)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                self._recency.forget(key)
-                continue
-            if st.st_mtime > entry.last_used + 1e-3:  # another node used it since
-                self._recency.remember(key, st.st_size, st.st_mtime)
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            freed += entry.size
-            self._recency.forget(key)
-            self.metrics.evicted()
+            if self._remove_unused(key, seen, keep_from=seen.last_used + 1e-3):
+                freed += seen.size
         self._report_used()
         return freed
+
+    def _remove_unused(self, key: ChunkKey, seen: Entry, *, keep_from: float) -> bool:
+        """Unlink the object of ``key`` unless its mtime (any node's use) is at or after
+        ``keep_from``, or this node recorded anything for it since ``seen``; True if this
+        call removed it. Takes no lock around the stat and the unlink."""
+        path = self.path_of(key)
+        try:
+            st = os.lstat(path)
+            if st.st_mtime >= keep_from:  # another node used it since
+                self._recency.replace_if(key, seen, st.st_size, st.st_mtime)
+                return False
+            if self._recency.get(key) is not seen:  # this node used it since
+                return False
+            os.unlink(path)
+        except FileNotFoundError:  # another node's collector was first
+            self._recency.forget_if(key, seen)
+            return False
+        except OSError as e:
+            self.metrics.error("collect")
+            log.warning("%s not collected: %s", path, e.strerror)
+            return False
+        self._recency.forget_if(key, seen)
+        self.metrics.evicted()
+        return True
 
     # -- leases --------------------------------------------------------------------------
     def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
@@ -438,7 +446,7 @@ class FileTier:
             return None
         try:
             size = os.fstat(fd).st_size
-            head = head[: _read_exact(fd, head)]
+            head = head[: fsutil.read_exact(fd, head)]
         except OSError:
             return None
         finally:
@@ -466,32 +474,21 @@ class FileTier:
 
     def expire(self, lease_seconds: float) -> int:
         """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        self.rescan()
-        cutoff, n = self._clock.wall() - lease_seconds, 0
-        with self._recency.lock:
-            for key, entry in self._recency.items():
-                if entry.last_used >= cutoff:
-                    continue
-                path = self.path_of(key)
-                try:
-                    st = os.lstat(path)
-                    if st.st_mtime >= cutoff:  # renewed since the scan
-                        self._recency.remember(key, st.st_size, st.st_mtime)
-                        continue
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                self._recency.forget(key)
-                self.metrics.evicted()
-                n += 1
+        with self._collecting:
+            self.rescan()
+            cutoff, n = self._clock.wall() - lease_seconds, 0
+            for key, seen in self._recency.items():
+                if seen.last_used < cutoff and self._remove_unused(key, seen, keep_from=cutoff):
+                    n += 1
             self._report_used()
         return n
 
     def remove_stale_temps(self, older_than: float | None = None) -> int:
         """Rescan and delete temp files not written to for ``older_than`` seconds (default
         the grace period): their writers died, on this node or another."""
-        self._scan()
-        return self._sweep_temps(self._temp_grace if older_than is None else older_than)
+        with self._collecting:
+            self._scan()
+            return self._sweep_temps(self._temp_grace if older_than is None else older_than)
 
     def close(self) -> None:
         pass

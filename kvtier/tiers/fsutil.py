@@ -1,4 +1,5 @@
-"""Filesystem helpers of the file tier: opens that cannot block or follow, exact modes.
+"""Filesystem helpers of the file tier: opens that cannot block or follow, exact modes,
+whole reads and writes, the walk of the object tree.
 
 Invariants:
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: For files kvtier creates: a symlink planted at the (random) temp name is not followed.
@@ -69,6 +71,31 @@ def write_all(fd: int, parts: list[memoryview]) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+
+
+def read_exact(fd: int, dst: memoryview) -> int:
+    """Read into ``dst`` until it is full or the file ends; returns the bytes read."""
+    got = 0
+    while got < dst.nbytes:
+        n = os.readv(fd, [dst[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def walk_leaves(top: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:
+    """Entries of ``top/xx/yy/`` (the object tree's leaf directories), and the files in
+    ``top`` itself (probes). Symlinked directories are not followed."""
+    for d1 in os.scandir(top):
+        if not d1.is_dir(follow_symlinks=False):
+            yield d1
+            continue
+        if len(d1.name) != 2:
+            continue
+        for d2 in os.scandir(d1.path):
+            if d2.is_dir(follow_symlinks=False) and len(d2.name) == 2:
+                yield from os.scandir(d2.path)
 
 
 def is_regular(st: os.stat_result) -> bool:

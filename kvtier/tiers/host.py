@@ -143,6 +143,9 @@ class HostTier:
         self.metrics.observe("put", time.perf_counter() - t0)
         return PutStatus.STORED
 
+    def indexed(self, key: ChunkKey) -> bool:
+        return self.index.contains(key)
+
     def delete(self, keys: Iterable[ChunkKey]) -> int:
         n = sum(self.index.remove(k) for k in keys)
         self.metrics.used(len(self.index) * self.pool.slot_bytes)

@@ -23,10 +23,18 @@ Invariants:
   and on ``rescan()``; a listing has only LastModified, which stands in for recency.
   Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
   re-reads each victim's recency with a HEAD, keeps those another node used since, and
-  deletes the rest in batches conditioned on the ETag it saw.
+  deletes the rest in batches conditioned on the ETag it saw (so an object replaced by
+  different bytes survives; a restamp may keep the ETag, see below).
 * Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start. ``renew`` rewrites
   it to now unconditionally; ``expire`` lists the prefix, HEADs each candidate (another
   node may have renewed it) and deletes the expired ones conditioned on their ETag.
+* No I/O under the index lock (``RecencyIndex``): a lookup never waits for a HEAD or a
+  DELETE. ``collect`` and ``expire`` pick victims from a snapshot of the index, HEAD and
+  DELETE unlocked, skip a victim this node read, wrote or renewed since the snapshot, and
+  drop only the entry they picked. A use between that check and the DELETE (the HEAD's
+  answer, for other nodes) is lost, costing a recompute, never wrong KV. One collection
+  at a time (``_collecting``): ``collect`` returns at once while one runs, ``expire``
+  waits for it. Any thread may call any method.
 * Endpoint faults are retried by botocore (standard mode: backoff, ``max_attempts`` tries
   in all, connect/read timeouts), then counted and turned into misses or
   ``PutStatus.FAILED``; data-path methods never raise them. Credentials come only from
@@ -41,17 +49,10 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import boto3
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectTimeoutError,
-    EndpointConnectionError,
-    NoCredentialsError,
-    ReadTimeoutError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.keys import ChunkKey, key_from_hex
@@ -73,7 +74,8 @@ from kvtier.tiers.base import (
     WriteMode,
     as_bytes_view,
 )
-from kvtier.tiers.recency import RecencyIndex
+from kvtier.tiers.recency import Entry, RecencyIndex
+from kvtier.tiers.s3check import check_bucket
 from kvtier.tiers.s3io import (
     MIN_PART,
     S3_ERRORS,
@@ -86,7 +88,6 @@ from kvtier.tiers.s3io import (
     code,
     describe,
     make_client,
-    status,
 )
 
 log = logging.getLogger("kvtier.s3")
@@ -103,6 +104,13 @@ def _used(head: Head) -> float:
         return float(head.metadata[_USED])
     except (KeyError, ValueError):
         return head.last_modified  # written by something other than kvtier
+
+
+@dataclass(frozen=True)
+class _Doomed:
+    key: ChunkKey
+    etag: str  # "": delete whatever is there
+    seen: Entry | None  # the index entry the decision was made on (None: any)
 
 
 class S3Tier:
@@ -154,7 +162,7 @@ class S3Tier:
         make = functools.partial(make_client, session, endpoint_url, path_style, pool=pool)
         probe = make(min(connect_timeout, 2.0), min(read_timeout, 5.0), min(max_attempts, 2))
         try:
-            self._check_bucket(probe)
+            check_bucket(probe, bucket, setting=setting, endpoint_url=endpoint_url)
         finally:
             probe.close()
         self.io = ObjectIO(
@@ -173,36 +181,6 @@ class S3Tier:
     @property
     def name(self) -> str:
         return self._name
-
-    def _check_bucket(self, probe: Any) -> None:
-        s, bucket, where = self._setting, self.bucket, self.endpoint_url or "AWS S3"
-        try:
-            probe.head_bucket(Bucket=bucket)
-            return
-        except NoCredentialsError:
-            msg = (
-                f"{s}: no AWS credentials found; provide them through the standard chain "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials "
-                "or an instance role)"
-            )
-        except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError):
-            msg = f"{s}.endpoint_url: cannot reach {where}; start the endpoint or fix the URL"
-        except ClientError as e:
-            msg = {
-                404: f"{s}.bucket: bucket {bucket!r} does not exist at {where}; "
-                "create it or fix the name",
-                403: f"{s}.bucket: access to bucket {bucket!r} at {where} was denied "
-                "(HTTP 403); check the credentials in the standard AWS chain and that they "
-                "may read, write and list this bucket",
-                301: f"{s}.region: bucket {bucket!r} is in another region; set region to it",
-            }.get(
-                status(e),
-                f"{s}: {where} answered {describe(e)} for bucket {bucket!r}; "
-                "check endpoint_url, region and path_style",
-            )
-        except BotoCoreError as e:
-            msg = f"{s}.endpoint_url: talking to {where} failed ({describe(e)}); check the URL"
-        raise TierError(msg)
 
     def _fault(self, op: str, e: Exception) -> None:
         self.metrics.error(op)
@@ -264,6 +242,10 @@ class S3Tier:
         return True
 
     # -- Tier protocol -------------------------------------------------------------------
+    def indexed(self, key: ChunkKey) -> bool:
+        """In this node's index (memory only; may be stale, see ``contains_prefix``)."""
+        return key in self._recency
+
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
         for i, key in enumerate(keys):
             if not self._known(key):
@@ -278,9 +260,8 @@ class S3Tier:
         name = self.object_name(key)
         head = memoryview(bytearray(HEADER_SPAN))
         cap = HEADER_SPAN + dst.nbytes
-        with self._recency.lock:
-            entry = self._recency.get(key)
-            plan = max(1, min(entry.size, cap)) if entry is not None else cap
+        entry = self._recency.get(key)
+        plan = max(1, min(entry.size, cap)) if entry is not None else cap
         try:
             total, etag = self.io.read(name, head, dst, plan)
         except (Missing, Changed) as e:
@@ -310,12 +291,10 @@ class S3Tier:
 
     def _touch(self, key: ChunkKey, name: str, size: int, etag: str) -> None:
         now = self._clock.wall()
-        with self._recency.lock:
-            entry = self._recency.get(key)
-            if entry is not None and now - entry.touched < self._touch_interval:
-                entry.last_used = now  # this node's view; the shared one waits for the next
-                self._recency.refresh(key)
-                return
+        entry = self._recency.get(key)
+        if entry is not None and now - entry.touched < self._touch_interval:
+            self._recency.use(key, now)  # this node's view; the shared one waits for the next
+            return
         self._stamp(name, now, etag)  # gone or replaced meanwhile: the next lookup notices
         self._recency.remember(key, size, now, now)
 
@@ -385,19 +364,19 @@ class S3Tier:
         return PutStatus.STORED
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
-        doomed = {self.object_name(k): (k, "") for k in keys if self._known(k)}
+        doomed = {self.object_name(k): _Doomed(k, "", None) for k in keys if self._known(k)}
         return self._delete(doomed, evicting=False)[0]
 
-    def _delete(
-        self, doomed: dict[str, tuple[ChunkKey, str]], *, evicting: bool
-    ) -> tuple[int, int]:
-        """Batch-delete ``{name: (key, etag or "")}``; an ETag makes that delete conditional.
+    def _delete(self, doomed: dict[str, _Doomed], *, evicting: bool) -> tuple[int, int]:
+        """Batch-delete ``doomed`` by object name; an ETag makes that delete conditional.
+        A deleted key leaves the index only if its entry is still the one ``seen``.
         Returns ``(objects, bytes)`` deleted."""
         n = freed = 0
         names = list(doomed)
         for i in range(0, len(names), _DELETE_BATCH):
             batch = names[i : i + _DELETE_BATCH]
-            objs = [{"Key": k, "ETag": doomed[k][1]} if doomed[k][1] else {"Key": k} for k in batch]
+            objs = [{"Key": k, "ETag": doomed[k].etag} if doomed[k].etag else {"Key": k}
+                    for k in batch]
             try:
                 r = self.io.client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True}
@@ -409,11 +388,13 @@ class S3Tier:
             for obj in objs:
                 if obj["Key"] in kept:
                     continue
-                key = doomed[obj["Key"]][0]
-                with self._recency.lock:
-                    entry = self._recency.get(key)
+                d = doomed[obj["Key"]]
+                if d.seen is None:
+                    entry = self._recency.forget(d.key)
                     freed += entry.size if entry is not None else 0
-                    self._recency.forget(key)
+                else:
+                    self._recency.forget_if(d.key, d.seen)
+                    freed += d.seen.size
                 n += 1
         if evicting:
             self.metrics.evicted(n)
@@ -429,53 +410,61 @@ class S3Tier:
 
     # -- capacity ------------------------------------------------------------------------
     def collect(self) -> int:
-        """Delete least recently used objects until usage is under the low watermark."""
+        """Delete least recently used objects until usage is under the low watermark.
+        Returns 0 at once if another thread is collecting."""
         if not self._collecting.acquire(blocking=False):
-            return 0  # another thread is collecting right now
+            return 0
         try:
-            with self._recency.lock:
-                if self._recency.bytes <= self.capacity:
-                    return 0
+            if self._recency.bytes <= self.capacity:
+                return 0
             freed = 0
             for _ in range(3):  # victims another node used meanwhile are kept; pick again
                 victims = self._victims(int(self.capacity * self._low_watermark))
                 if not victims:
                     break
-                try:
-                    heads = self.io.parallel(lambda k: self.io.head(self.object_name(k)), victims)
-                except S3_ERRORS as e:
-                    self._fault("collect", e)
+                heads = self._heads(victims, "collect")
+                if heads is None:
                     break
-                freed += self._evict(victims, heads)
+                doomed = self._doom(victims, heads, None)
+                freed += self._delete(doomed, evicting=True)[1]
             return freed
         finally:
             self._collecting.release()
 
-    def _victims(self, target: int) -> list[ChunkKey]:
-        """The coldest keys whose removal brings usage down to ``target`` bytes."""
-        with self._recency.lock:
-            excess, out = self._recency.bytes - target, []
-            for key, entry in self._recency.items():
-                if excess <= 0:
-                    break
-                out.append(key)
-                excess -= entry.size
-            return out
+    def _victims(self, target: int) -> list[tuple[ChunkKey, Entry]]:
+        """The coldest entries whose removal brings usage down to ``target`` bytes."""
+        out, snapshot = [], self._recency.items()
+        excess = sum(e.size for _, e in snapshot) - target
+        for key, entry in snapshot:
+            if excess <= 0:
+                break
+            out.append((key, entry))
+            excess -= entry.size
+        return out
 
-    def _evict(self, victims: list[ChunkKey], heads: list[Head | None]) -> int:
-        doomed: dict[str, tuple[ChunkKey, str]] = {}
-        for key, head in zip(victims, heads, strict=True):
-            with self._recency.lock:
-                entry = self._recency.get(key)
-            if entry is None:
-                continue
+    def _heads(self, picked: list[tuple[ChunkKey, Entry]], op: str) -> list[Head | None] | None:
+        try:
+            return self.io.parallel(lambda p: self.io.head(self.object_name(p[0])), picked)
+        except S3_ERRORS as e:
+            self._fault(op, e)
+            return None
+
+    def _doom(
+        self, picked: list[tuple[ChunkKey, Entry]], heads: list[Head | None],
+        keep_from: float | None,
+    ) -> dict[str, _Doomed]:
+        """Which of ``picked`` to delete, given their HEADs: not those gone, used by another
+        node at or after ``keep_from`` (None: after the pick), or recorded by this node
+        since the pick. Updates the index for the ones kept."""
+        doomed: dict[str, _Doomed] = {}
+        for (key, seen), head in zip(picked, heads, strict=True):
             if head is None:
-                self._recency.forget(key)  # already gone
-            elif _used(head) > entry.last_used + 1e-3:  # another node used it since
-                self._recency.remember(key, head.size, _used(head))
-            else:
-                doomed[self.object_name(key)] = (key, head.etag)
-        return self._delete(doomed, evicting=True)[1]
+                self._recency.forget_if(key, seen)  # already gone
+            elif _used(head) >= (seen.last_used + 1e-3 if keep_from is None else keep_from):
+                self._recency.replace_if(key, seen, head.size, _used(head))
+            elif self._recency.get(key) is seen:  # else this node used it since the pick
+                doomed[self.object_name(key)] = _Doomed(key, head.etag, seen)
+        return doomed
 
     # -- leases --------------------------------------------------------------------------
     def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
@@ -518,26 +507,17 @@ class S3Tier:
 
     def expire(self, lease_seconds: float) -> int:
         """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        self.rescan()  # listing times are the endpoint's LastModified, not kvtier's stamp
-        cutoff = self._clock.wall() - lease_seconds
-        maybe = cutoff + _CLOCK_SKEW_S  # the HEAD below decides with kvtier's own stamp
-        old = [k for k, e in self._recency.items() if e.last_used < maybe]
-        if not old:
-            return 0
-        try:
-            heads = self.io.parallel(lambda k: self.io.head(self.object_name(k)), old)
-        except S3_ERRORS as e:
-            self._fault("expire", e)
-            return 0
-        doomed: dict[str, tuple[ChunkKey, str]] = {}
-        for key, head in zip(old, heads, strict=True):
-            if head is None:
-                self._recency.forget(key)
-            elif _used(head) >= cutoff:  # renewed since the listing
-                self._recency.remember(key, head.size, _used(head))
-            else:
-                doomed[self.object_name(key)] = (key, head.etag)
-        return self._delete(doomed, evicting=True)[0]
+        with self._collecting:
+            self.rescan()  # listing times are the endpoint's LastModified, not kvtier's stamp
+            cutoff = self._clock.wall() - lease_seconds
+            maybe = cutoff + _CLOCK_SKEW_S  # the HEAD below decides with kvtier's own stamp
+            old = [(k, e) for k, e in self._recency.items() if e.last_used < maybe]
+            if not old:
+                return 0
+            heads = self._heads(old, "expire")
+            if heads is None:
+                return 0
+            return self._delete(self._doom(old, heads, cutoff), evicting=True)[0]
 
     def close(self) -> None:
         self.io.close()

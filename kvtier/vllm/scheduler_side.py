@@ -44,7 +44,12 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.metrics import record_drop, record_restore, record_spill
+from kvtier.metrics import (
+    record_drop,
+    record_restore,
+    record_spill,
+    record_threshold_decision,
+)
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Pinned, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
@@ -84,6 +89,19 @@ class _Lookup:
     pinned: Pinned | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
+
+
+#: A P/D decode waiting for announced chunks asks the shared tier at most this often.
+PROBE_INTERVAL_S = 0.05
+
+
+@dataclass
+class _Probe:
+    """A request's question to the lower tiers, asked on an IO thread."""
+
+    future: Future[int]
+    started: float
+    answered: float | None = None  # when its answer (or its deadline) was taken
 
 
 @dataclass
@@ -132,6 +150,8 @@ class SchedulerSide:
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._decisions: dict[str, str] = {}  # req -> restore-or-recompute outcome
+        self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
+        self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
         self.identities = RequestIdentities(namespace, self.ct)
         self._step = 0
@@ -224,10 +244,14 @@ class SchedulerSide:
             ns, keys = got
             first = num_computed // self.ct
             wanted = keys[: -(-limit // self.ct)]
-            hit = self.store.lookup(wanted[first:])
+            hit = self.store.lookup_indexed(wanted[first:])
             announced = self._announced(request, keys, len(wanted))
+            if self._probing(rid, wanted[first + hit.hits :], announced > first + hit.hits):
+                return None, False
+            hit = self.store.lookup_indexed(wanted[first:])  # what the probe found
             if announced > first + hit.hits and self._keep_waiting(rid):
                 return None, False
+            self._probes.pop(rid, None)
             waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
             t0 = time.perf_counter() - waited
             if hit.hits == 0:
@@ -238,6 +262,7 @@ class SchedulerSide:
             )
             log.debug("kvtier: %s: %s", rid, d)
             self._decisions[rid] = d.outcome.value
+            record_threshold_decision(d.outcome.value)
             if d.chunks == 0:
                 return 0, False
             lk = _Lookup(keys, first, t0=t0)
@@ -263,6 +288,36 @@ class SchedulerSide:
             return 0, False
         lk.start_tokens = num_computed
         return ext, False
+
+    def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool) -> bool:
+        """Ask the lower tiers about ``beyond`` (the chunks past what the indexes know) on
+        an IO thread; True while the answer is pending: the hook then answers "ask again".
+
+        One probe per request, given up after ``restore.lookup_timeout_seconds`` (then the
+        indexes' answer stands: a recompute, never a wait on storage). A P/D decode that
+        waits for announced chunks probes again, at most every ``PROBE_INTERVAL_S``.
+        """
+        if not beyond:
+            return False
+        now = self.clock.monotonic()
+        p = self._probes.get(rid)
+        if p is None or (waiting and p.answered is not None
+                         and now - p.answered >= PROBE_INTERVAL_S):
+            if not self.store.can_probe():
+                return False  # every lower tier is down or busy: the indexes answer
+            self._probes[rid] = _Probe(self.store.probe(beyond), now)
+            return True
+        if p.answered is not None:
+            return False
+        if p.future.done():
+            p.answered = now
+            return False
+        if now - p.started < self.lookup_timeout_s:
+            return True
+        p.answered = now
+        log.info("kvtier: lower tiers did not answer for %s within %.1f s; not waiting",
+                 rid, self.lookup_timeout_s)
+        return False
 
     def _announced(self, request: Any, keys: list[ChunkKey], usable: int) -> int:
         """Chunks the prefill node announced for this request and we may use (P/D)."""
@@ -338,6 +393,7 @@ class SchedulerSide:
         rid = request.request_id
         self._forget(rid)
         self._waiting.pop(rid, None)
+        self._probes.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
         try:
@@ -371,7 +427,7 @@ class SchedulerSide:
     ) -> int:
         """Queue copies of the chunks not stored yet; returns how many."""
         n_chunks = len(keys)
-        stored = self.store.lookup(keys).hits
+        stored = self.store.lookup_indexed(keys).hits  # memory only: scheduler thread
         if self.role != "both" and stored:
             # The other node reads these from the shared tier: our host copy may have
             # outlived the shared one (collected past its lease), so offer them again.

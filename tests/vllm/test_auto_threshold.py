@@ -21,6 +21,7 @@ from kvtier.stepfit import StepModel
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
+from tests.vllm.hooks import ask
 
 CT = 128
 GEOM = Geometry(2, 2, 64, CT, 4096, "float32")
@@ -67,9 +68,8 @@ def test_cold_auto_restores_everything_and_times_engine_steps(sched: SchedulerSi
     model = sched.policy.model
     assert model is not None
     n, _ = sched.get_num_new_matched_tokens(_request(), 0)
-    assert n is None  # staging from the file tier on an IO thread: ask again
-    sched._lookups["r"].future.result()  # type: ignore[union-attr]
-    assert sched.get_num_new_matched_tokens(_request(), 0) == (4 * CT, False)
+    assert n is None  # the file tier is asked on an IO thread: ask again
+    assert ask(sched, _request()) == 4 * CT
     assert sched.policy.counts.as_dict()["cold"] == 1
     assert model.reads.observations("file1") == 4, "each verified read was timed"
     for i in range(3):
@@ -88,6 +88,6 @@ def test_warm_auto_recomputes_when_the_tier_is_slower_than_the_engine(
         n = 256 * (1 + i % 3)
         model.observe_step([(n, 0)], seconds=n / 256e3)
     assert model.steps.warm
-    assert sched.get_num_new_matched_tokens(_request(), 0) == (0, False)
+    assert ask(sched, _request()) == 0
     assert sched.policy.counts.as_dict()["recompute"] == 1
     assert "r" not in sched._lookups, "nothing was read"

@@ -22,6 +22,7 @@ from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
+from tests.vllm.hooks import ask
 
 CT = 128
 WAIT = 5.0
@@ -64,46 +65,36 @@ def _prefill_writes(sched: SchedulerSide, tier: FileTier, n: int) -> None:
         tier.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8).data)
 
 
-def _ask(sched: SchedulerSide, req: SimpleNamespace) -> int | None:
-    """One scheduler step's question; waits for staging that already started."""
-    n, _ = sched.get_num_new_matched_tokens(req, 0)
-    lk = sched._lookups.get(req.request_id)
-    if n is None and lk is not None and lk.future is not None:
-        lk.future.result()  # staging runs on IO threads; let it finish, then ask again
-        n, _ = sched.get_num_new_matched_tokens(req, 0)
-    return n
-
-
 def test_decode_waits_for_announced_chunks_then_loads_them(env: Any) -> None:
     sched, prefill_node, _ = env
     req = _request("r1", {"tokens": 4 * CT, "last_key": _keys()[3].hex()})
-    assert _ask(sched, req) is None  # nothing visible yet: ask again
+    assert ask(sched, req) is None  # nothing visible yet: ask again
     _prefill_writes(sched, prefill_node, 2)
-    assert _ask(sched, req) is None  # half of it: still waiting
+    assert ask(sched, req) is None  # half of it: still waiting
     _prefill_writes(sched, prefill_node, 4)
-    assert _ask(sched, req) == 4 * CT
+    assert ask(sched, req) == 4 * CT
 
 
 def test_decode_stops_waiting_at_the_deadline_and_takes_what_is_there(env: Any) -> None:
     sched, prefill_node, clock = env
     req = _request("r2", {"tokens": 4 * CT, "last_key": _keys()[3].hex()})
     _prefill_writes(sched, prefill_node, 2)
-    assert _ask(sched, req) is None
+    assert ask(sched, req) is None
     clock.advance(WAIT + 1)
-    assert _ask(sched, req) == 2 * CT
+    assert ask(sched, req) == 2 * CT
 
 
 def test_an_announcement_for_another_prompt_is_not_waited_for(env: Any) -> None:
     sched, _, _ = env
     req = _request("r3", {"tokens": 4 * CT, "last_key": "ab" * 16})
-    assert _ask(sched, req) == 0
+    assert ask(sched, req) == 0
 
 
 def test_load_false_never_restores(env: Any) -> None:
     sched, prefill_node, _ = env
     _prefill_writes(sched, prefill_node, 4)
-    assert _ask(sched, _request("r4", load=False)) == 0
-    assert _ask(sched, _request("r5")) == 4 * CT
+    assert ask(sched, _request("r4", load=False)) == 0
+    assert ask(sched, _request("r5")) == 4 * CT
 
 
 def test_a_finished_request_offers_host_chunks_the_shared_tier_lost(env: Any) -> None:

@@ -1,0 +1,183 @@
+"""Tier health: a circuit breaker per lower tier, and a bound on threads stuck in it.
+
+A hung NFS server or an S3 brownout does not fail fast: calls block for their timeouts.
+Each lower tier therefore has a ``Breaker``:
+
+* **up**: every call is allowed. ``failures`` consecutive failed calls (an error, or a
+  call slower than ``slow_s``), or one call in flight for longer than ``slow_s`` (a
+  hung call never returns to report itself), mark the tier **down**.
+* **down**: lookups skip the tier, reads and probes are refused, writes are dropped and
+  counted. After ``cooldown_s`` the next caller gets a trial call (**half-open**):
+  its success brings the tier back up, its failure starts another cooldown.
+* Reads and probes (the latency path) are bounded: at most ``max_in_flight`` of them may
+  be in the tier at once; more are refused as if it were down (without changing its
+  state), so a hanging tier holds at most that many IO threads on the read path. Writes
+  are not refused while the tier is up (a busy tier is not a failing one); a write that
+  hangs trips the breaker after ``slow_s``, and from then on writes are dropped.
+
+Every transition is logged once and exported as ``kvtier_tier_up{tier}`` (1 up, 0 not).
+
+Threads: any (IO threads call, vLLM's scheduler thread asks ``available``). One lock; no
+I/O under it. Time comes from the injected ``Clock``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+
+from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.metrics import set_tier_up
+
+log = logging.getLogger("kvtier.health")
+
+
+class TierState(StrEnum):
+    UP = "up"
+    DOWN = "down"
+    TRIAL = "trial"  # half-open: one call is testing the tier
+
+
+class TierUnavailable(Exception):
+    """The tier is down, or has as many calls in flight as it may; nothing was asked."""
+
+
+class Breaker:
+    def __init__(
+        self,
+        tier: str,
+        *,
+        failures: int = 3,
+        slow_s: float = 5.0,
+        cooldown_s: float = 10.0,
+        max_in_flight: int = 1,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if failures < 1 or slow_s <= 0 or cooldown_s < 0 or max_in_flight < 1:
+            raise ValueError("Breaker needs failures >= 1, slow_s > 0, cooldown_s >= 0, "
+                             "max_in_flight >= 1")
+        self.tier = tier
+        self.failures = failures
+        self.slow_s = slow_s
+        self.cooldown_s = cooldown_s
+        self.max_in_flight = max_in_flight
+        self.clock = clock
+        self.state = TierState.UP
+        self._lock = threading.Lock()
+        self._failed = 0
+        self._down_since = 0.0
+        self._calls: dict[int, float] = {}  # call id -> start
+        self._read_ids: set[int] = set()
+        self._ids = itertools.count()
+        self._trial: int | None = None
+        self.refused = 0
+        set_tier_up(tier, True)
+
+    @property
+    def up(self) -> bool:
+        return self.state is TierState.UP
+
+    def available(self) -> bool:
+        """Would a read be allowed now? (A hung call found here trips the breaker.)"""
+        with self._lock:
+            self._check_stuck()
+            if self.state is TierState.UP:
+                return self._reads < self.max_in_flight
+            return self.state is TierState.DOWN and self._cooled() and not self._calls
+
+    @contextmanager
+    def call(self, *, read: bool) -> Iterator[Call]:
+        """Run one call to the tier; raises ``TierUnavailable`` (asking nothing) if it may
+        not be called now. ``Call.fail()`` inside the block reports a call that returned
+        an error status; an exception out of the block is a failure too."""
+        cid = self._enter(read)
+        t0 = self.clock.monotonic()
+        c = Call()
+        ok = False
+        try:
+            yield c
+            ok = not c.failed and self.clock.monotonic() - t0 < self.slow_s
+        finally:
+            self._exit(cid, ok)
+
+    # -- internals (under the lock) ----------------------------------------------------
+    def _cooled(self) -> bool:
+        return self.clock.monotonic() - self._down_since >= self.cooldown_s
+
+    def _check_stuck(self) -> None:
+        if self.state is not TierState.UP or not self._calls:
+            return
+        oldest = min(self._calls.values())
+        if self.clock.monotonic() - oldest >= self.slow_s:
+            self._go_down(f"a call has been running for more than {self.slow_s:g} s")
+
+    def _enter(self, read: bool) -> int:
+        with self._lock:
+            self._check_stuck()
+            cid = next(self._ids)
+            if self.state is TierState.UP and (not read or self._reads < self.max_in_flight):
+                pass
+            elif self.state is TierState.DOWN and self._cooled() and not self._calls:
+                self.state = TierState.TRIAL
+                self._trial = cid
+                log.info("kvtier: tier %s: trying it again after %.0f s down", self.tier,
+                         self.clock.monotonic() - self._down_since)
+            else:
+                self.refused += 1
+                raise TierUnavailable(f"tier {self.tier} is {self.state.value}")
+            self._calls[cid] = self.clock.monotonic()
+            if read:
+                self._read_ids.add(cid)
+            return cid
+
+    @property
+    def _reads(self) -> int:
+        return len(self._read_ids)
+
+    def _exit(self, cid: int, ok: bool) -> None:
+        with self._lock:
+            self._calls.pop(cid, None)
+            self._read_ids.discard(cid)
+            if cid == self._trial:
+                self._trial = None
+                if ok:
+                    self.state = TierState.UP
+                    self._failed = 0
+                    set_tier_up(self.tier, True)
+                    log.warning("kvtier: tier %s is back up", self.tier)
+                else:
+                    self._go_down("the trial call failed")
+                return
+            if self.state is not TierState.UP:
+                return  # a late answer from before the trip: the trial decides
+            if ok:
+                self._failed = 0
+                return
+            self._failed += 1
+            if self._failed >= self.failures:
+                self._go_down(f"{self._failed} calls in a row failed or took over "
+                              f"{self.slow_s:g} s")
+
+    def _go_down(self, why: str) -> None:
+        was_up = self.state is TierState.UP
+        self.state = TierState.DOWN
+        self._down_since = self.clock.monotonic()
+        self._failed = 0
+        if was_up:
+            set_tier_up(self.tier, False)
+            log.warning("kvtier: tier %s is down: %s; skipping it (reads miss, writes are "
+                        "dropped) and trying again in %.0f s", self.tier, why, self.cooldown_s)
+
+
+class Call:
+    """One call in progress; ``fail()`` marks it failed."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def fail(self) -> None:
+        self.failed = True
