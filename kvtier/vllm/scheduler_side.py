@@ -149,7 +149,7 @@ class SchedulerSide:
         self._pins_by_step: dict[int, list[Pinned]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
-        self._decisions: dict[str, str] = {}  # req -> restore-or-recompute outcome
+        self._decisions: dict[str, str] = {}  # req -> restore-or-recompute decision
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
@@ -261,7 +261,7 @@ class SchedulerSide:
                 [self.store.tiers[i].name for i in hit.tiers], limit_tokens=limit,
             )
             log.debug("kvtier: %s: %s", rid, d)
-            self._decisions[rid] = d.outcome.value
+            self._decisions[rid] = str(d)
             record_threshold_decision(d.outcome.value)
             if d.chunks == 0:
                 return 0, False
@@ -413,7 +413,7 @@ class SchedulerSide:
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
             "restore_ms": round(restore_ms, 3),
-            "decision": self._decisions.pop(rid, None),
+            "decision": self._decision(rid),
             "expires_at": time.time() + self.lease_s,
             "role": self.role,
             "spilled_bytes": saved * self.slot_bytes,
@@ -421,6 +421,12 @@ class SchedulerSide:
         }
         delay = saved > 0
         return delay, {"kvtier": params}
+
+    def _decision(self, rid: str) -> dict[str, str] | None:
+        """The restore-or-recompute decision for ``rid``, for its response (why kvtier
+        restored what it did): ``{"outcome": ..., "detail": ...}``."""
+        d = self._decisions.pop(rid, None)
+        return None if d is None else {"outcome": d.split(" ", 1)[0], "detail": d}
 
     def _save(
         self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]
