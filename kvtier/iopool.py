@@ -74,6 +74,11 @@ class IOPool:
         with self._cv:
             return len(self._loads), len(self._stores)
 
+    def free_store_slots(self) -> int:
+        """How many more stores the queue takes now before it drops."""
+        with self._cv:
+            return max(0, self._max_stores - len(self._stores))
+
     def _publish(self) -> None:
         set_queue_depth(f"{self._name}-load", len(self._loads))
         set_queue_depth(f"{self._name}-store", len(self._stores))

@@ -405,11 +405,11 @@ class SchedulerSide:
             n_chunks, got = 0, (b"", [])
         ns, keys = got
         wanted = n_chunks and _request_params(request).get("save") is not False
-        saved = self._save(rid, ns, keys, block_ids) if wanted else 0
+        saved, held = self._save(rid, ns, keys, block_ids) if wanted else (0, 0)
         params = {
             "namespace": ns.hex(),
-            "tokens": n_chunks * self.ct,
-            "last_key": keys[-1].hex() if keys else None,
+            "tokens": held * self.ct,
+            "last_key": keys[held - 1].hex() if held else None,
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
             "restore_ms": round(restore_ms, 3),
@@ -430,30 +430,47 @@ class SchedulerSide:
 
     def _save(
         self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]
-    ) -> int:
-        """Queue copies of the chunks not stored yet; returns how many."""
+    ) -> tuple[int, int]:
+        """Queue copies of the chunks not stored yet. Returns (chunks to copy, length of
+        the prefix that is stored or will be): what the response announces.
+
+        The announcement never names a chunk that will not exist (a P/D decode node would
+        wait ``wait_seconds`` for it): a chunk that gets no host slot ends it (and the
+        chunks after it are not copied: a prefix with a hole is not reusable), and for a
+        node that hands KV to another node (``role`` prefill or decode), so does a
+        write-through that the store queue cannot take now.
+        """
         n_chunks = len(keys)
         stored = self.store.lookup_indexed(keys).hits  # memory only: scheduler thread
-        if self.role != "both" and stored:
-            # The other node reads these from the shared tier: our host copy may have
-            # outlived the shared one (collected past its lease), so offer them again.
-            self.store.rewrite_through(keys[:stored])
+        held = stored
+        shared = self.role != "both" and any(
+            lt.write is WritePolicy.THROUGH for lt in self.store.lower)
+        if shared and stored and self.store.rewrite_through(keys[:stored]) == 0:
+            # Our host copy may have outlived the shared one (collected past its lease),
+            # and the job that offers them again was dropped: announce what the shared
+            # tier's index knows.
+            held = next((i for i, k in enumerate(keys[:stored]) if not any(
+                lt.tier.indexed(k) for lt in self.store.lower)), stored)
+        room = self.store.io.free_store_slots() if shared else n_chunks
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
             meta = self._meta(ns, keys, c)
             r = self.store.host.reserve(meta)
             if r is None:
-                if not self.store.host.index.contains(keys[c]):
-                    record_drop("host_full")
-                continue
+                if self.store.host.index.contains(keys[c]):
+                    continue  # stored meanwhile by another request
+                record_drop("host_full")
+                break
             saves.append((r.slot, meta))
             self._to_save.append(
                 CopyOp(rid, r.slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
             )
+        if held == stored:
+            held = stored + min(len(saves), room)
         record_spill(len(saves) * self.slot_bytes, n_chunks * self.slot_bytes)
         if saves:
             self._saves[rid] = _Save(saves)
-        return len(saves)
+        return len(saves), held
 
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:
