@@ -151,7 +151,7 @@ class HealthConfig(_Model):
     #: Consecutive failed (or slower than ``slow_seconds``) calls that mark a tier down.
     failures: int = Field(3, ge=1, le=1000)
     #: A call slower than this failed; one still running after this marks the tier down.
-    slow_seconds: float = Field(5.0, gt=0, le=600)
+    slow_seconds: float = Field(2.0, gt=0, le=600)
     #: How long a down tier is skipped before one trial call.
     cooldown_seconds: float = Field(10.0, ge=0, le=3600)
 

@@ -9,11 +9,12 @@ Each lower tier therefore has a ``Breaker``:
 * **down**: lookups skip the tier, reads and probes are refused, writes are dropped and
   counted. After ``cooldown_s`` the next caller gets a trial call (**half-open**):
   its success brings the tier back up, its failure starts another cooldown.
-* Reads and probes (the latency path) are bounded: at most ``max_in_flight`` of them may
-  be in the tier at once; more are refused as if it were down (without changing its
-  state), so a hanging tier holds at most that many IO threads on the read path. Writes
-  are not refused while the tier is up (a busy tier is not a failing one); a write that
-  hangs trips the breaker after ``slow_s``, and from then on writes are dropped.
+* Reads and probes (the latency path) are bounded: once ``max_in_flight`` of them have
+  been running longer than ``stuck_s`` (a fifth of ``slow_s``), more are refused as if
+  the tier were down (without changing its state), so a hanging tier holds at most that
+  many threads on the read path. Healthy reads take milliseconds and are never counted:
+  a busy tier is not a failing one. Writes are not refused while the tier is up; a write
+  that hangs trips the breaker after ``slow_s``, and from then on writes are dropped.
 
 Every transition is logged once and exported as ``kvtier_tier_up{tier}`` (1 up, 0 not).
 
@@ -65,6 +66,7 @@ class Breaker:
         self.slow_s = slow_s
         self.cooldown_s = cooldown_s
         self.max_in_flight = max_in_flight
+        self.stuck_s = slow_s / 5
         self.clock = clock
         self.state = TierState.UP
         self._lock = threading.Lock()
@@ -136,7 +138,9 @@ class Breaker:
 
     @property
     def _reads(self) -> int:
-        return len(self._read_ids)
+        """Reads in flight for longer than ``stuck_s`` (under the lock)."""
+        now = self.clock.monotonic()
+        return sum(1 for cid in self._read_ids if now - self._calls[cid] >= self.stuck_s)
 
     def _exit(self, cid: int, ok: bool) -> None:
         with self._lock:

@@ -117,9 +117,13 @@ class TieredStore:
         spill_batch: int = 8,
         clean_reserve: float = 0.1,
         breakers: Sequence[Breaker] | None = None,
+        probe_threads: int = 2,
     ) -> None:
         self.host = host
         self.lower = list(lower)
+        #: Probes ("is it there?") run on threads of their own: queued behind writes
+        #: stuck in a hung tier, a probe would answer only at its request's deadline.
+        self.probe_io = IOPool(probe_threads, 1, name="probe")
         #: One circuit breaker per lower tier (``kvtier/health.py``), in ``lower`` order.
         self.breakers = list(breakers) if breakers is not None else [
             Breaker(lt.tier.name, max_in_flight=max(1, io.num_threads - 1))
@@ -168,7 +172,7 @@ class TieredStore:
         return any(b.available() for b in self.breakers)
 
     def probe(self, keys: Sequence[ChunkKey]) -> Future[int]:
-        """Ask the lower tiers themselves (on an IO thread, ahead of stores) how many of
+        """Ask the lower tiers themselves (on a probe thread) how many of
         ``keys`` lead a stored prefix: objects other nodes wrote, which this process's
         index does not know yet. The answer refreshes the indexes, so the next
         ``lookup_indexed`` sees them. A tier that is down, or has as many reads in flight
@@ -186,7 +190,7 @@ class TieredStore:
                     break
             return n
 
-        return self.io.submit_load(job)
+        return self.probe_io.submit_load(job)
 
     def _ask(self, tier: SharedTier, key: ChunkKey) -> bool:
         """``tier.contains_prefix([key])`` under its breaker; False if it may not be asked."""
@@ -550,6 +554,7 @@ class TieredStore:
         return report
 
     def close(self, timeout: float | None = None) -> None:
+        self.probe_io.close(0.0 if timeout is None else timeout)  # answers nobody awaits
         self.io.close(timeout)
         for tier in self.tiers:
             tier.close()

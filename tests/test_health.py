@@ -89,12 +89,15 @@ def test_a_failed_trial_starts_another_cooldown(clock: ManualClock) -> None:
     assert b.available()
 
 
-def test_reads_are_bounded_writes_are_not(clock: ManualClock) -> None:
+def test_stuck_reads_are_bounded_busy_ones_and_writes_are_not(clock: ManualClock) -> None:
     b = _breaker(clock, max_in_flight=1)
     with b.call(read=True):
+        with b.call(read=True):
+            pass  # a read in flight for milliseconds: a busy tier, not a stuck one
+        clock.advance(1.0)  # stuck_s = slow_s / 5
         assert not b.available()
         with pytest.raises(TierUnavailable), b.call(read=True):
             pass
         with b.call(read=False):
             pass  # a busy tier is not a failing one: writes go on
-    assert b.up and b.available() and b.refused == 1
+    assert b.state is TierState.UP and b.available() and b.refused == 1
