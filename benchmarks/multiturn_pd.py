@@ -55,7 +55,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
-from kvtier.testing.models import build_bench_llama, build_tiny_llama
+from kvtier.testing.models import preset_model
 from kvtier.testing.servers import APIServer, router_process, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
@@ -386,12 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_model(args: argparse.Namespace) -> tuple[Path, str]:
     """The model path and the ``--dtype`` to serve it with."""
-    if args.model:
-        model = Path(args.model)
-    elif args.preset == "smoke":
-        model = build_tiny_llama(Path(args.cache_dir) / "tiny-fp32", dtype="float32")
-    else:
-        model = build_bench_llama(Path(args.cache_dir) / "bench-90m")
+    preset = "tiny" if args.preset == "smoke" else "bench90m"
+    model = preset_model(preset, args.cache_dir, model=args.model, tiny_dtype="float32")
     cfg = json.loads((model / "config.json").read_text())
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     return model, dtype

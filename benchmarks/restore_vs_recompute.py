@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
 from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
-from kvtier.testing.models import build_bench_llama, build_tiny_llama
+from kvtier.testing.models import preset_model
 from kvtier.vllm.settings import kv_transfer_config
 
 PATHS = ("cold", "vllm_hit", "host", "file", "s3")
@@ -155,12 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         tmp = tempfile.TemporaryDirectory(prefix="kvb-", dir=args.workdir)  # short: unix sockets
         work = Path(stack.enter_context(tmp))
-        if args.model:
-            model = Path(args.model)
-        elif args.preset == "tiny":
-            model = build_tiny_llama(Path(args.cache_dir) / "tiny-bf16", dtype="bfloat16")
-        else:
-            model = build_bench_llama(Path(args.cache_dir) / "bench-90m")
+        model = preset_model(args.preset, args.cache_dir, model=args.model)
         s3 = None
         if "s3" in paths:
             from kvtier.testing.s3server import moto_server

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.machine import describe
 from benchmarks.restore_vs_recompute import drop_page_cache, restored
 from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
-from kvtier.testing.models import build_bench_llama, build_tiny_llama
+from kvtier.testing.models import preset_model
 from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -253,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvth-",
                                                                     dir=args.workdir)))
-        if args.model:
-            model = Path(args.model)
-        elif args.preset == "tiny":
-            model = build_tiny_llama(Path(args.cache_dir) / "tiny-bf16", dtype="bfloat16")
-        else:
-            model = build_bench_llama(Path(args.cache_dir) / "bench-90m")
+        model = preset_model(args.preset, args.cache_dir, model=args.model)
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         s3 = None
         if "s3" in tiers:

@@ -386,3 +386,20 @@ def build_lora_adapter(
         "modules_to_save": None, "use_rslora": False, "use_dora": False,
     }, indent=1))
     return out
+
+
+def preset_model(
+    preset: str, cache_dir: str | os.PathLike[str], *, model: str | None = None,
+    tiny_dtype: str = "bfloat16",
+) -> Path:
+    """A benchmark's model: ``model`` if given, else the ``preset`` built (or reused) under
+    ``cache_dir``: ``tiny`` (:data:`TINY` in ``tiny_dtype``) or ``bench90m``."""
+    if model:
+        return Path(model)
+    cache = Path(cache_dir)
+    if preset == "tiny":
+        short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[tiny_dtype]
+        return build_tiny_llama(cache / f"tiny-{short}", dtype=tiny_dtype)
+    if preset == "bench90m":
+        return build_bench_llama(cache / "bench-90m")
+    raise ValueError(f"unknown model preset {preset!r} (tiny, bench90m)")
