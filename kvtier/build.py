@@ -12,15 +12,20 @@ from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
 from kvtier.health import Breaker
 from kvtier.iopool import IOPool
 from kvtier.store import LowerTier, TieredStore, WritePolicy
-from kvtier.tiers.base import SharedTier
+from kvtier.tiers.base import SharedTier, TierError
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.pool import Allocator, mmap_allocator
+from kvtier.tiers.pool import PINNED_UNAVAILABLE, Allocator, mmap_allocator
 
 
 def build_host(cfg: HostConfig, slot_bytes: int) -> HostTier:
+    """The host tier; ``pinned: yes`` fails here if the pool could not be page-locked."""
     allocator: Allocator | None = mmap_allocator if cfg.pinned == "no" else None
-    return HostTier(cfg.capacity, slot_bytes, allocator=allocator)
+    host = HostTier(cfg.capacity, slot_bytes, allocator=allocator)
+    if cfg.pinned == "yes" and not host.pool.pinned:
+        host.close()
+        raise TierError(PINNED_UNAVAILABLE)
+    return host
 
 
 def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> SharedTier:

@@ -244,8 +244,23 @@ class TieredStore:
         self.commit(r.slot, meta)
         return True
 
+    def reserve(self, meta: ChunkMeta) -> int | None:
+        """A host slot to fill with ``meta``'s chunk (then ``commit`` or ``abort``); None
+        if the chunk is already held (or being written) or the pool is all pinned or
+        dirty: the caller copies nothing. Memory only."""
+        r = self.host.reserve(meta)
+        return None if r is None else r.slot
+
+    def holds(self, key: ChunkKey) -> bool:
+        """The host tier holds ``key`` (or is writing it). Memory only."""
+        return self.host.index.contains(key)
+
+    def abort(self, slot: int) -> None:
+        """Give back a reserved slot whose copy failed; nothing is published."""
+        self.host.abort(slot)
+
     def commit(self, slot: int, meta: ChunkMeta) -> None:
-        """Publish a slot filled after ``host.reserve``; queue its lower-tier writes."""
+        """Publish a slot filled after ``reserve``; queue its lower-tier writes."""
         self.host.commit(slot, dirty=bool(self._back))
         self.host.metrics.wrote(meta.payload_len)
         for tier in self._through:

@@ -186,3 +186,18 @@ def test_the_shipped_pd_config_shares_a_directory_outside_tmp() -> None:
     assert spec is not None and spec.write == "through"
     assert spec.path.is_absolute()
     assert not spec.path.is_relative_to("/tmp") and not spec.path.is_relative_to("/var/tmp")
+
+
+def test_pinned_yes_fails_at_start_when_memory_cannot_be_page_locked() -> None:
+    """No CUDA here: ``pinned: yes`` must not silently run pageable (``auto`` does)."""
+    import torch
+
+    from kvtier.build import build_host
+    from kvtier.config import HostConfig
+    from kvtier.tiers.base import TierError
+
+    if torch.cuda.is_available():
+        pytest.skip("page-locking works on this machine")
+    with pytest.raises(TierError, match=r"tiers\[0\]\.host\.pinned: yes.*pinned: auto"):
+        build_host(HostConfig(capacity=1 << 20, pinned="yes"), 4096)
+    assert not build_host(HostConfig(capacity=1 << 20, pinned="auto"), 4096).pool.pinned

@@ -22,6 +22,13 @@ from kvtier.tiers.base import TierError
 
 log = logging.getLogger("kvtier.host")
 
+#: Why ``pinned: yes`` failed: raised at start rather than silently pageable.
+PINNED_UNAVAILABLE = (
+    "tiers[0].host.pinned: yes, but the host pool cannot be page-locked here (no CUDA "
+    "device, or the native extension is missing); use pinned: auto (page-locked when "
+    "possible) or no"
+)
+
 #: ``allocator(nbytes) -> (buffer, is_pinned)``. The buffer must be page-aligned.
 Allocator = Callable[[int], tuple[Any, bool]]
 

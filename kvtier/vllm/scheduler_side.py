@@ -455,15 +455,15 @@ class SchedulerSide:
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
             meta = self._meta(ns, keys, c)
-            r = self.store.host.reserve(meta)
-            if r is None:
-                if self.store.host.index.contains(keys[c]):
+            slot = self.store.reserve(meta)
+            if slot is None:
+                if self.store.holds(keys[c]):
                     continue  # stored meanwhile by another request
                 record_drop("host_full")
                 break
-            saves.append((r.slot, meta))
+            saves.append((slot, meta))
             self._to_save.append(
-                CopyOp(rid, r.slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
+                CopyOp(rid, slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
             )
         if held == stored:
             held = stored + min(len(saves), room)
@@ -500,7 +500,7 @@ class SchedulerSide:
                 continue
             for slot, meta in save.slots:
                 if rid in failed:
-                    self.store.host.abort(slot)
+                    self.store.abort(slot)
                 else:
                     self.store.commit(slot, meta)
 

@@ -22,6 +22,7 @@ from kvtier.config import KVTierConfig
 from kvtier.ops import CopyBackend, KVLayout, layout_from_backend, resolve_copy_backend
 from kvtier.ops.reference import register_pinned
 from kvtier.tiers.base import TierError
+from kvtier.tiers.pool import PINNED_UNAVAILABLE
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import create_pool, remove_pool
@@ -84,7 +85,11 @@ class WorkerSide:
             )
         self._pool_map = create_pool(self.pool_path, num_slots * self.slot_bytes)
         self.pool = torch.frombuffer(self._pool_map, dtype=torch.uint8)
-        pinned = register_pinned(self.pool, owner=self._pool_map)  # H2D/D2H DMA on CUDA
+        pinned = False
+        if self.cfg.host.pinned != "no":
+            pinned = register_pinned(self.pool, owner=self._pool_map)  # H2D/D2H DMA on CUDA
+        if self.cfg.host.pinned == "yes" and not pinned:
+            raise TierError(PINNED_UNAVAILABLE)
         log.info(
             "kvtier worker: %d layers, %d slots of %.1f MiB (%s), copy backend %s (%s)",
             len(self.views), num_slots, self.slot_bytes / 2**20,
