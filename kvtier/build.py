@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
-from kvtier.health import Breaker
+from kvtier.health import breakers_for
 from kvtier.iopool import IOPool
 from kvtier.store import LowerTier, TieredStore, WritePolicy
 from kvtier.tiers.base import SharedTier, TierError
@@ -102,11 +102,5 @@ def build_store(
     host = host or build_host(cfg.host, slot_bytes)
     lower = build_lower_tiers(cfg, clock)
     io = IOPool(cfg.io.threads, cfg.io.max_queued_stores)
-    h = cfg.health
-    breakers = [
-        Breaker(lt.tier.name, failures=h.failures, slow_s=h.slow_seconds,
-                cooldown_s=h.cooldown_seconds, max_in_flight=max(1, cfg.io.threads - 1),
-                clock=clock)
-        for lt in lower
-    ]
+    breakers = breakers_for([lt.tier.name for lt in lower], cfg.health, cfg.io.threads, clock)
     return TieredStore(host, lower, io, breakers=breakers)

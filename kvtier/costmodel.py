@@ -38,6 +38,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 
 from kvtier.config import RestoreConfig
+from kvtier.metrics import record_threshold_decision
 from kvtier.stepfit import StepModel, recompute_seconds
 
 #: Host-to-KV copy rate assumed until the host tier is probed (a conservative memcpy).
@@ -294,11 +295,13 @@ class ThresholdPolicy:
         return cls(None, model)
 
     @classmethod
-    def from_config(cls, cfg: RestoreConfig) -> ThresholdPolicy:
-        """``restore.recompute_threshold_tokens`` (+ ``auto_margin``, ``auto_warmup_steps``)."""
+    def from_config(cls, cfg: RestoreConfig, *, host_tier: str = "host") -> ThresholdPolicy:
+        """``restore.recompute_threshold_tokens`` (+ ``auto_margin``, ``auto_warmup_steps``);
+        ``host_tier`` names the tier whose hits cost only the copy."""
         t = cfg.recompute_threshold_tokens
         if t == "auto":
-            return cls.auto(CostModel(margin=cfg.auto_margin, warmup_steps=cfg.auto_warmup_steps))
+            return cls.auto(CostModel(margin=cfg.auto_margin, warmup_steps=cfg.auto_warmup_steps,
+                                      host_tier=host_tier))
         return cls.fixed(t)
 
     def chunks_to_restore(
@@ -316,6 +319,7 @@ class ThresholdPolicy:
         else:
             d = self._fixed(start_tokens, chunk_tokens, tiers_of_chunks, limit_tokens)
         self.counts.add(d)
+        record_threshold_decision(d.outcome.value)
         return d
 
     def _fixed(

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.config import HealthConfig
 from kvtier.metrics import set_tier_up
 
 log = logging.getLogger("kvtier.health")
@@ -175,6 +176,19 @@ class Breaker:
             set_tier_up(self.tier, False)
             log.warning("kvtier: tier %s is down: %s; skipping it (reads miss, writes are "
                         "dropped) and trying again in %.0f s", self.tier, why, self.cooldown_s)
+
+
+def breakers_for(
+    tiers: list[str], cfg: HealthConfig, io_threads: int, clock: Clock = SYSTEM_CLOCK
+) -> list[Breaker]:
+    """One breaker per lower tier, as ``health`` configures them; stuck reads in one tier
+    are bounded to ``io_threads - 1`` so a hung tier leaves a thread for the others."""
+    return [
+        Breaker(name, failures=cfg.failures, slow_s=cfg.slow_seconds,
+                cooldown_s=cfg.cooldown_seconds, max_in_flight=max(1, io_threads - 1),
+                clock=clock)
+        for name in tiers
+    ]
 
 
 class Call:

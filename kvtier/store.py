@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
-from kvtier.health import Breaker, TierUnavailable
+from kvtier.config import HealthConfig
+from kvtier.health import Breaker, TierUnavailable, breakers_for
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
@@ -125,10 +126,8 @@ class TieredStore:
         #: stuck in a hung tier, a probe would answer only at its request's deadline.
         self.probe_io = IOPool(probe_threads, 1, name="probe")
         #: One circuit breaker per lower tier (``kvtier/health.py``), in ``lower`` order.
-        self.breakers = list(breakers) if breakers is not None else [
-            Breaker(lt.tier.name, max_in_flight=max(1, io.num_threads - 1))
-            for lt in self.lower
-        ]
+        self.breakers = list(breakers) if breakers is not None else breakers_for(
+            [lt.tier.name for lt in self.lower], HealthConfig(), io.num_threads)
         if len(self.breakers) != len(self.lower):
             raise ValueError("one breaker per lower tier")
         self._breaker_of = {id(lt.tier): b for lt, b in zip(self.lower, self.breakers,
@@ -152,11 +151,10 @@ class TieredStore:
     def lookup_indexed(self, keys: Sequence[ChunkKey]) -> Lookup:
         """The stored prefix as this process's indexes know it. Memory only: vLLM's
         scheduler thread calls it. Tiers whose breaker is open are skipped."""
-        n_host = self.host.contains_prefix(keys)
-        where = [HOST] * n_host
+        where: list[int] = []
         usable = [(i, lt.tier) for i, (lt, b) in
                   enumerate(zip(self.lower, self.breakers, strict=True), start=1) if b.up]
-        for key in keys[n_host:]:
+        for key in keys:
             if self.host.indexed(key):
                 where.append(HOST)
                 continue
@@ -432,11 +430,12 @@ class TieredStore:
                 continue
             if not filled:
                 continue
-            if self.on_read is not None:  # verified hits only: what a restore really costs
-                self.on_read(lt.tier.name, expect.payload_len if expect else 0,
-                             time.perf_counter() - t0)
             got = self.host.acquire(key, expect)
-            return (got, i) if got is not None else None
+            if got is None:
+                return None
+            if self.on_read is not None:  # verified hits only: what a restore really costs
+                self.on_read(lt.tier.name, got[1].payload_len, time.perf_counter() - t0)
+            return got, i
         return None
 
     def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
@@ -543,10 +542,14 @@ class TieredStore:
         return FlushReport(flushed, left, clock.monotonic() - t0)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued lower-tier write has finished (at most ``timeout``
-        seconds); True if none is left."""
-        if self._inflight:
-            wait(list(self._inflight), timeout=timeout)
+        """Wait until every queued lower-tier write has finished, including those queued
+        meanwhile (at most ``timeout`` seconds); True if none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            wait(list(self._inflight), timeout=left)
         return not self._inflight
 
     def shutdown(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> FlushReport:

@@ -42,14 +42,10 @@ from typing import Any
 from kvtier.build import build_store
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
+from kvtier.costmodel import Decision
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.metrics import (
-    record_drop,
-    record_restore,
-    record_spill,
-    record_threshold_decision,
-)
+from kvtier.metrics import record_drop, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Pinned, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
@@ -149,7 +145,7 @@ class SchedulerSide:
         self._pins_by_step: dict[int, list[Pinned]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
-        self._decisions: dict[str, str] = {}  # req -> restore-or-recompute decision
+        self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
@@ -261,8 +257,7 @@ class SchedulerSide:
                 [self.store.tiers[i].name for i in hit.tiers], limit_tokens=limit,
             )
             log.debug("kvtier: %s: %s", rid, d)
-            self._decisions[rid] = str(d)
-            record_threshold_decision(d.outcome.value)
+            self._decisions[rid] = d
             if d.chunks == 0:
                 return 0, False
             lk = _Lookup(keys, first, t0=t0)
@@ -386,7 +381,8 @@ class SchedulerSide:
 
         Returns (delay freeing the blocks, ``kv_transfer_params`` for the response):
         the params say what kvtier restored for this request and what it now holds:
-        ``namespace``, ``tokens`` (full chunks stored, prompt and output), ``last_key``
+        ``namespace``, ``tokens`` (the prefix of full chunks, prompt and output, that is
+        stored or being stored: what a P/D decode node may wait for), ``last_key``
         (names the whole chain) and ``expires_at`` (wall clock, end of the shared-tier
         lease unless renewed), plus restore statistics.
         """
@@ -426,7 +422,7 @@ class SchedulerSide:
         """The restore-or-recompute decision for ``rid``, for its response (why kvtier
         restored what it did): ``{"outcome": ..., "detail": ...}``."""
         d = self._decisions.pop(rid, None)
-        return None if d is None else {"outcome": d.split(" ", 1)[0], "detail": d}
+        return None if d is None else {"outcome": d.outcome.value, "detail": str(d)}
 
     def _save(
         self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]

@@ -39,15 +39,14 @@ def threshold_policy(
     """A fixed threshold, or ``auto``. With ``probe``, each lower tier is probed on an IO
     thread (never on the scheduler thread); until it answers, a tier without an estimate
     is restored in full and its first real reads set the estimate."""
-    if cfg.recompute_threshold_tokens != "auto":
-        return ThresholdPolicy.fixed(cfg.recompute_threshold_tokens)
-    model = CostModel(margin=cfg.auto_margin, warmup_steps=cfg.auto_warmup_steps,
-                      host_tier=store.host.name)
-    store.on_read = model.observe_read
-    if probe:
-        for lt in store.lower:
-            store.io.submit_store(partial(_seed, model, lt.tier, slot_bytes))
-    return ThresholdPolicy.auto(model)
+    policy = ThresholdPolicy.from_config(cfg, host_tier=store.host.name)
+    model = policy.model
+    if model is not None:
+        store.on_read = model.observe_read
+        if probe:
+            for lt in store.lower:
+                store.io.submit_store(partial(_seed, model, lt.tier, slot_bytes))
+    return policy
 
 
 def _seed(model: CostModel, tier: Tier, slot_bytes: int) -> None:
