@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 STAMPS := .stamps
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: test demo install native cuda-check lint typecheck unit bench clean
+.PHONY: test demo install native cuda-check ceph lint typecheck unit bench clean
 
 install: $(STAMPS)/venv
 
@@ -34,14 +34,29 @@ $(STAMPS)/cuda-check: $(wildcard native/*.cu native/*.h native/*.cpp native/*.sh
 	bash native/compile_cuda.sh
 	@touch $@
 
+# Debian's Ceph (16.2): the tests start a throwaway cluster from it (RGW as a real S3
+# server, CephFS as a real shared filesystem; kvtier/testing/ceph.py). Installed only
+# when a binary is missing; needs root or sudo.
+CEPH_PACKAGES := ceph-mon ceph-osd ceph-mgr ceph-mds radosgw ceph-fuse
+CEPH_BINARIES := ceph ceph-mon ceph-mgr ceph-osd ceph-mds radosgw radosgw-admin ceph-fuse monmaptool
+ceph:
+	@missing=0; for b in $(CEPH_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
+	if [ $$missing = 1 ]; then \
+	  sudo=; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	  echo "installing $(CEPH_PACKAGES)"; \
+	  $$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $(CEPH_PACKAGES) >/dev/null; \
+	fi
+
 lint: $(STAMPS)/venv
 	$(PY) -m ruff check kvtier tests benchmarks
 
 typecheck: $(STAMPS)/venv
 	$(PY) -m mypy
 
-unit: $(STAMPS)/venv native
-	$(PY) -m pytest -q
+# KVTIER_REQUIRE_CEPH=1: a missing Ceph fails the run instead of skipping its tests.
+unit: $(STAMPS)/venv native ceph
+	KVTIER_REQUIRE_CEPH=1 $(PY) -m pytest -q
 
 test: $(STAMPS)/venv native cuda-check lint typecheck unit
 

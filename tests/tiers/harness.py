@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -89,6 +90,8 @@ class TierHarness:
     make: Callable[[int], Tier]  # capacity in bytes -> a fresh, empty tier
     clock: ManualClock
     corrupt: Corruptor | None  # None: the tier holds no bytes outside this process
+    #: A directory tier's root as another node sees it (CephFS: the second mount).
+    other_node: Callable[[Path], Path] = lambda root: root
 
     @staticmethod
     def object_bytes(n: int = PAYLOAD) -> int:

@@ -1,5 +1,6 @@
-"""The S3 entry of the contract suite: one moto server per test session, a fresh prefix
-(so a fresh, empty tier) for every ``make``, and a corruptor that rewrites raw objects."""
+"""The S3 entries of the contract suite: one moto server per test session (``s3``) or the
+session's Ceph RGW (``rgw``), a fresh prefix (so a fresh, empty tier) for every ``make``,
+and a corruptor that rewrites raw objects."""
 
 from __future__ import annotations
 
@@ -48,8 +49,17 @@ def fresh_prefix() -> str:
     return f"t{next(_prefixes)}/"
 
 
-def s3_harness(request: pytest.FixtureRequest, clock: ManualClock) -> Iterator[TierHarness]:
-    endpoint = shared_endpoint(request.config)
+def rgw_endpoint(request: pytest.FixtureRequest) -> str:
+    """The session's RGW endpoint (``tests/conftest.py``'s ``ceph``), ``BUCKET`` created."""
+    cluster = request.getfixturevalue("ceph")
+    return str(cluster.s3_endpoint)
+
+
+def s3_harness(
+    request: pytest.FixtureRequest, clock: ManualClock, *, server: str = "moto"
+) -> Iterator[TierHarness]:
+    """A harness on moto (``server="moto"``) or on the session's RGW (``"rgw"``)."""
+    endpoint = rgw_endpoint(request) if server == "rgw" else shared_endpoint(request.config)
     raw = raw_client(endpoint)
     made: list[S3Tier] = []
 
@@ -82,7 +92,7 @@ def s3_harness(request: pytest.FixtureRequest, clock: ManualClock) -> Iterator[T
             data = raw.get_object(Bucket=BUCKET, Key=other)["Body"].read()
         raw.put_object(Bucket=BUCKET, Key=name, Body=data)
 
-    yield TierHarness("s3", make, clock, corrupt)
+    yield TierHarness("s3" if server == "moto" else server, make, clock, corrupt)
     for tier in made:
         tier.close()
     raw.close()

@@ -7,7 +7,6 @@ listings carry the endpoint's real LastModified next to kvtier's own stamp.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,24 +20,17 @@ from kvtier.lease import expire_all, renew_chain
 from kvtier.tiers.base import PutStatus, SharedTier
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.s3 import S3Tier
-from tests.tiers.conftest import _file
+from tests.tiers.conftest import SHARED_KINDS, make_harness
 from tests.tiers.harness import PAYLOAD, TierHarness, make_key, meta_for, payload_for
 
 LEASE = 480.0
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=SHARED_KINDS)
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierHarness]:
     # 30 s behind the real clock: the S3 endpoint's LastModified (real time) runs ahead of
     # kvtier's stamp, as with a node whose clock is skewed, or a slow test.
-    clock = ManualClock(start=time.time() - 30)
-    if request.param == "file":
-        yield _file(clock, tmp_path)
-        shutil.rmtree(tmp_path, ignore_errors=True)
-    else:
-        from tests.tiers.s3_harness import s3_harness
-
-        yield from s3_harness(request, clock)
+    yield from make_harness(request, ManualClock(start=time.time() - 30), tmp_path)
 
 
 def _chain(tier: SharedTier, first: int, n: int) -> list[ChunkKey]:
@@ -55,10 +47,12 @@ def _shared(h: TierHarness) -> SharedTier:
     return tier
 
 
-def _second_node(tier: SharedTier, clock: ManualClock) -> SharedTier:
-    """Another node's view of the same directory or bucket prefix."""
+def _second_node(tier: SharedTier, h: TierHarness) -> SharedTier:
+    """Another node's view of the same directory (on CephFS: through the other mount) or
+    bucket prefix (another client)."""
+    clock = h.clock
     if isinstance(tier, FileTier):
-        return FileTier(tier.root, tier.capacity, clock=clock)
+        return FileTier(h.other_node(tier.root), tier.capacity, clock=clock)
     assert isinstance(tier, S3Tier)
     return S3Tier(bucket=tier.bucket, prefix=tier.prefix, endpoint_url=tier.endpoint_url,
                   capacity_bytes=tier.capacity, clock=clock)
@@ -103,7 +97,7 @@ def test_expire_honours_a_renewal_by_another_node(harness: TierHarness) -> None:
     keys = _chain(tier, 0, 1)
     harness.clock.advance(LEASE + 1)
     # The index of `tier` still has the old stamp; another node renews behind its back.
-    other = _second_node(tier, harness.clock)
+    other = _second_node(tier, harness)
     assert other.renew(keys[0])
     assert tier.expire(LEASE) == 0
     assert tier.contains_prefix(keys) == 1
@@ -122,7 +116,7 @@ def test_a_write_after_another_node_collected_the_object_stores_it_again(
 ) -> None:
     tier = _shared(harness)
     keys = _chain(tier, 0, 1)
-    other = _second_node(tier, harness.clock)
+    other = _second_node(tier, harness)
     harness.clock.advance(LEASE + 1)
     assert other.expire(LEASE) == 1  # the other node's collector
     # `tier`'s index still lists the key; a CREATE must ask the store, not the index.
