@@ -12,7 +12,8 @@ import pytest
 
 from kvtier.testing.engines import CompletionResult, LLMWorker, WorkerError, tokens
 from kvtier.vllm.settings import kv_transfer_config
-from tests.tiers.s3_harness import BUCKET, shared_endpoint
+from tests.conftest import cephfs_dir
+from tests.tiers.s3_harness import BUCKET, rgw_endpoint, shared_endpoint
 from tests.vllm.conftest import SMALL_KV_BLOCKS, write_config
 
 pytestmark = pytest.mark.vllm
@@ -167,25 +168,40 @@ def test_other_dtype_gets_no_hit(fp32: LLMWorker, bf16: LLMWorker) -> None:
     assert restored(r) == 0
 
 
-def test_s3_only_lower_tier(engine_factory: EngineFactory, tiny_fp32: Path,
-                            request: pytest.FixtureRequest,
-                            tmp_path_factory: pytest.TempPathFactory) -> None:
-    endpoint = shared_endpoint(request.config)  # also puts test credentials in the env
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "s3.yaml",
-        [{"s3": {"bucket": BUCKET, "prefix": "e2e/", "endpoint_url": endpoint,
-                 "region": "us-east-1",
-                 "path_style": True, "capacity": "1GiB", "write": "through",
-                 "part_size": "8MiB", "multipart_threshold": "64MiB"}}],
-    )
+@pytest.mark.parametrize("server", [
+    pytest.param("moto", marks=pytest.mark.s3),
+    pytest.param("rgw", marks=[pytest.mark.s3, pytest.mark.ceph]),
+    pytest.param("cephfs", marks=pytest.mark.ceph),
+])
+def test_one_lower_tier_on_a_storage_server(
+    server: str, engine_factory: EngineFactory, tiny_fp32: Path,
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The only lower tier is S3 (moto, or Ceph RGW: a real S3 server) or CephFS (a real
+    shared filesystem); what the host pool forgot comes back from it, token-identical."""
+    tier: dict[str, Any]
+    if server == "cephfs":
+        cluster = request.getfixturevalue("ceph")
+        tier = {"file": {"path": str(cephfs_dir(cluster, "e2e-store")), "capacity": "1GiB",
+                         "write": "through"}}
+        name = "file1"
+    else:
+        # Either fixture also puts test credentials in the environment.
+        endpoint = rgw_endpoint(request) if server == "rgw" else shared_endpoint(request.config)
+        tier = {"s3": {"bucket": BUCKET, "prefix": "e2e/", "endpoint_url": endpoint,
+                       "region": "us-east-1", "path_style": True, "capacity": "1GiB",
+                       "write": "through", "part_size": "8MiB", "multipart_threshold": "64MiB"}}
+        name = "s31"
+    cfg = write_config(tmp_path_factory.mktemp("cfg") / f"{server}.yaml", [tier])
     eng = engine_factory(tiny_fp32, cfg, enable_prefix_caching=False)
     p = tokens(900, seed=91)
     first = eng.generate([p], max_tokens=OUT).outputs[0]
-    assert eng.reset_prefix_cache(reset_connector=True)  # only S3 holds it now
+    assert eng.reset_prefix_cache(reset_connector=True)  # only the lower tier holds it now
     r = eng.generate([p], max_tokens=OUT).outputs[0]
     assert restored(r) >= 768
-    assert tiers_used(r) == {"s31"}
+    assert tiers_used(r) == {name}
     assert r.token_ids == first.token_ids
+    eng.close()  # one engine per server: do not keep three alive until the module ends
 
 
 def test_bad_config_fails_at_engine_start(tiny_fp32: Path) -> None:

@@ -2,7 +2,8 @@
 
 Topology (all on 127.0.0.1): a prefill server (prefix caching off, to emulate eviction,
 as seed 000 does), a decode server, and ``python -m kvtier router`` in front. KV moves
-only through the shared file tier. Every output is compared with a recompute reference:
+only through the shared file tier, a directory on CephFS that each server reaches through
+its own ``ceph-fuse`` mount. Every output is compared with a recompute reference:
 the same prompt on the prefill server with ``kvtier: {load: false, save: false}``.
 
 What a turn restored on the prefill node is read from vLLM's own counters
@@ -17,8 +18,10 @@ import json
 import os
 import random
 import re
+import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +32,11 @@ import pytest
 
 from kvtier.clock import ManualClock
 from kvtier.keys import key_from_hex
+from kvtier.testing.ceph import CephCluster
 from kvtier.testing.servers import APIServer, router_process, split_cpus
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
+from tests.conftest import cephfs_dir
 
 CT = 128  # chunk tokens = vLLM's CPU block size
 THRESHOLD = 200  # above one chunk, so a single reusable chunk is below it
@@ -93,30 +98,40 @@ def _kvtier(resp: httpx.Response) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_fp32: Path) -> Iterator[PD]:
+def pd(tiny_fp32: Path, ceph: CephCluster) -> Iterator[PD]:
+    """The two nodes share a directory on CephFS, each through a ``ceph-fuse`` mount of its
+    own (prefill and this test process on the first, decode on the second): a real shared
+    filesystem whose clients cache, not one kernel's coherent view of a local directory."""
     with tempfile.TemporaryDirectory(prefix="kvt-pd-") as d:
         tmp = Path(d)
-        shared = tmp / "shared"
-        config = tmp / "pd.yaml"
-        config.write_text(json.dumps({
-            "chunk_tokens": CT,
-            "tiers": [{"host": {"capacity": "64MiB"}},
-                      {"file": {"path": str(shared), "capacity": "1GiB", "write": "through"}}],
-            "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30},
-            "retention": {"lease_seconds": LEASE},
-        }))
+        name = f"pd-{uuid.uuid4().hex[:12]}"
+        shared = cephfs_dir(ceph, name, node=0)
+        configs = {}
+        for role, node in (("prefill", 0), ("decode", 1)):
+            configs[role] = tmp / f"pd-{role}.yaml"
+            configs[role].write_text(json.dumps({
+                "chunk_tokens": CT,
+                "tiers": [{"host": {"capacity": "64MiB"}},
+                          {"file": {"path": str(cephfs_dir(ceph, name, node=node)),
+                                    "capacity": "1GiB", "write": "through"}}],
+                "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30},
+                "retention": {"lease_seconds": LEASE},
+            }))
         p_cpus, d_cpus = split_cpus(2)  # a shared core starves the prefill while decode waits
         with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False, cpus=p_cpus,
-                       kv_transfer_config=kv_transfer_config(config, role="prefill")) as p, \
+                       kv_transfer_config=kv_transfer_config(configs["prefill"],
+                                                             role="prefill")) as p, \
              APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
-                       kv_transfer_config=kv_transfer_config(config, role="decode")) as dec:
-            args = ["--tiers", str(config), "--request-timeout", "60"]
+                       kv_transfer_config=kv_transfer_config(configs["decode"],
+                                                             role="decode")) as dec:
+            args = ["--tiers", str(configs["prefill"]), "--request-timeout", "60"]
             with router_process(tmp, p.url, dec.url, args=args) as url:
                 env = PD(p, dec, url, shared, FileTier(shared, 1 << 30))
                 try:
                     yield env
                 finally:
                     env.client.close()
+                    shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_turn1_decode_loads_the_prefill_nodes_kv(pd: PD) -> None:
