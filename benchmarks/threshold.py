@@ -15,8 +15,6 @@ Tiers: ``host`` (vLLM's prefix cache reset), ``file`` (kvtier's host tier droppe
 cache dropped), ``s3`` (file objects deleted too; a local moto server unless
 ``--s3-endpoint``). Writes ``<out>/threshold.json`` and ``threshold.png``.
 
-Until the cost model is wired into the connector, ``auto`` is a fixed 64-token threshold
-and behaves like ``restore``; ``auto_decisions`` in the JSON stays empty then.
 ``--smoke``: the tiny model, two short prompts, host and file, the ``auto`` engine only
 (one engine start: a second would double the time), to check the script end to end.
 """

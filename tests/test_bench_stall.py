@@ -1,8 +1,10 @@
-"""benchmarks/stall.py --smoke runs end to end: one tiny API server, a moto endpoint that is
-SIGSTOPped and resumed (issue 10).
+"""The hung S3 endpoint end to end in real vLLM: ``benchmarks/stall.py --smoke`` runs one
+tiny API server with kvtier on a moto endpoint that is SIGSTOPped and resumed (issue 10).
 
-The shape and the correctness are checked, not the speed targets: how long a request
-waits on a hung endpoint depends on the machine and on the restore path's timeouts.
+Checked: every request is answered in every phase, returning conversations equal a
+recompute, and nothing waits on the hung endpoint for long (a generous upper bound). The
+speed targets themselves are the benchmark's, not this test's: how long a request waits
+depends on the machine and on the restore path's timeouts.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def test_stall_benchmark_smoke(tmp_path: Path) -> None:
     assert set(report["phases"]) == set(PHASES)
     samples = report["samples"]
     assert {(s["phase"], s["kind"]) for s in samples} == {(p, k) for p in PHASES for k in KINDS}
-    # Outside the hang every request is answered; a returning conversation that was
-    # answered at all has exactly the tokens of a recompute.
+    # Every request is answered, during the hang too, and a returning conversation has
+    # exactly the tokens of a recompute. While S3 hangs, no request waits on it beyond
+    # the lookup deadline: the bound is an upper one ("no hang"; before issue 10 each new
+    # prompt waited about 100 s), not a speed target.
     for s in samples:
-        if s["phase"] != "hung":
-            assert s["error"] is None and s["ttft_s"] is not None, s
-        if s["kind"] == "returning" and s["error"] is None:
+        assert s["error"] is None and s["ttft_s"] is not None, s
+        if s["kind"] == "returning":
             assert s["matches_recompute"] is True, s
+    assert max(s["ttft_s"] for s in samples if s["phase"] == "hung") < 15.0
     names = [t["name"] for t in report["targets"]]
     assert len(names) == 3 and any("identical to a recompute" in n for n in names)
     assert all(isinstance(t["pass"], bool) for t in report["targets"])
