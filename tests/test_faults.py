@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +32,24 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
-    proc = _spawn(str(tmp_path))
+@pytest.fixture(params=["local", pytest.param("cephfs", marks=pytest.mark.ceph)])
+def store_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(where the writer writes, where the restarted node reads): one local directory, or
+    one CephFS directory through two mounts (the writer's node dies, another reads)."""
+    if request.param == "local":
+        yield tmp_path, tmp_path
+        return
+    from tests.conftest import cephfs_dir, other_node
+
+    cluster = request.getfixturevalue("ceph")
+    written = cephfs_dir(cluster, f"kill9-{uuid.uuid4().hex[:12]}")
+    yield written, other_node(cluster, written)
+    shutil.rmtree(written, ignore_errors=True)
+
+
+def test_kill_9_mid_write_leaves_no_partial_object(store_dirs: tuple[Path, Path]) -> None:
+    written, read_from = store_dirs
+    proc = _spawn(str(written))
     assert proc.stdout is not None
     stored: list[int] = []
     for line in proc.stdout:
@@ -43,7 +61,7 @@ def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
 
-    tier = FileTier(tmp_path, 1 << 40)  # a restart: the index is rebuilt from disk
+    tier = FileTier(read_from, 1 << 40)  # a restart: the index is rebuilt from disk
     buf = np.empty(CHUNK, dtype=np.uint8)
     for i in stored:
         key = make_key(i)
@@ -54,7 +72,7 @@ def test_kill_9_mid_write_leaves_no_partial_object(tmp_path: Path) -> None:
         assert tier.get_into(info.key, buf.data) is not None
     assert tier.metrics.counts.corruptions == 0
     assert tier.remove_stale_temps(older_than=-1) >= 0
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert not list(read_from.rglob("*.tmp"))
 
 
 @pytest.fixture

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -34,9 +36,18 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "store"
+@pytest.fixture(params=["local", pytest.param("cephfs", marks=pytest.mark.ceph)])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """The store's root: a local directory, or one on CephFS (FIFOs, symlinks, modes and
+    temp files behave as a real shared filesystem makes them)."""
+    if request.param == "local":
+        yield tmp_path / "store"
+        return
+    from tests.conftest import cephfs_dir
+
+    parent = cephfs_dir(request.getfixturevalue("ceph"), f"hardening-{uuid.uuid4().hex[:12]}")
+    yield parent / "store"
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 def _tier(root: Path, clock: ManualClock, capacity: int = 1 << 30, mode: int = 0o600) -> FileTier:
