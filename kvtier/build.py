@@ -58,6 +58,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
         connect_timeout=spec.connect_timeout,
         read_timeout=spec.read_timeout,
         touch_interval=spec.touch_interval,
+        conditionals=spec.conditionals,
         clock=clock,
         name=f"s3{index}",
         setting=f"{setting}.s3",

@@ -19,7 +19,7 @@ import numpy as np
 from kvtier import router
 from kvtier.build import build_lower_tiers, build_store
 from kvtier.clock import SYSTEM_CLOCK
-from kvtier.config import ConfigError, KVTierConfig, load_config
+from kvtier.config import ConfigError, KVTierConfig, S3Config, load_config
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta
 from kvtier.sizes import format_size, parse_size
@@ -60,6 +60,17 @@ def _probe_tier(tier: Tier, chunk: int, count: int) -> tuple[float, float]:
     return total / max(t1 - t0, 1e-9), total / max(t2 - t1, 1e-9)
 
 
+def _print_conditionals(cfg: KVTierConfig, tiers: Sequence[Tier]) -> None:
+    """Per S3 tier: which conditional requests its endpoint honours (probed at start)."""
+    if not any(isinstance(t.spec, S3Config) for t in cfg.tiers):
+        return
+    from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
+
+    for tier in tiers:
+        if isinstance(tier, S3Tier):
+            print(f"{tier.name}: {tier.conditionals.summary()}")
+
+
 def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     chunk = parse_size(args.chunk_size)
     store = build_store(cfg, chunk)
@@ -71,6 +82,7 @@ def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
             cap = format_size(tier.usage().capacity)
             kind = type(tier).__name__.removesuffix("Tier").lower()
             print(f"{tier.name:<10} {kind:<6} {cap:>10} {put_bw / 1e9:>9.2f} {get_bw / 1e9:>9.2f}")
+        _print_conditionals(cfg, store.tiers)
     finally:
         store.close()
     print("check passed")

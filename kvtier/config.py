@@ -117,6 +117,11 @@ class S3Config(_Model):
     connect_timeout: float = Field(1.0, gt=0, le=120)
     read_timeout: float = Field(3.0, gt=0, le=600)
     touch_interval: float = Field(60.0, ge=0)
+    #: Which conditional requests the endpoint honours (``kvtier.tiers.s3caps``): ``auto``
+    #: probes it at start; ``trusted`` skips the probe and relies on all of them (only for
+    #: an endpoint ``kvtier check`` showed honours every one); ``untrusted`` skips it and
+    #: uses the HEAD-checked fallbacks everywhere.
+    conditionals: Literal["auto", "trusted", "untrusted"] = "auto"
 
 
 class TierEntry(_Model):

@@ -126,3 +126,28 @@ tiers:
     assert main(["gc", cfg]) == EXIT_OK
     assert "removed 1 stale temp files" in capsys.readouterr().out
     assert not stale.exists() and young.exists()
+
+
+@pytest.mark.s3
+def test_check_reports_the_conditionals_an_s3_endpoint_honours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
+    from tests.tiers.s3_harness import BUCKET, fresh_prefix, shared_endpoint
+
+    endpoint = shared_endpoint(request.config)  # moto
+    body = """
+tiers:
+  - host: {{capacity: 64MiB}}
+  - s3: {{bucket: {b}, prefix: {p}, endpoint_url: "{e}", region: us-east-1, capacity: 1GiB{x}}}
+"""
+    cfg = _cfg(tmp_path, body.format(b=BUCKET, p=fresh_prefix(), e=endpoint, x=""))
+    assert main(["check", cfg, "--chunk-size", "64KiB", "--count", "2"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert ("s31: conditionals (probed): PutObject If-None-Match yes, CompleteMultipartUpload "
+            "If-None-Match yes, DeleteObject If-Match yes, DeleteObjects ETag no, "
+            "CopyObject CopySourceIfMatch no") in out
+    assert "check passed" in out
+    trusted = body.format(b=BUCKET, p=fresh_prefix(), e=endpoint, x=", conditionals: trusted")
+    assert main(["check", _cfg(tmp_path, trusted), "--chunk-size", "64KiB", "--count", "2"]) == 0
+    assert "s31: conditionals (trusted (config)): PutObject If-None-Match yes" in (
+        capsys.readouterr().out)

@@ -201,3 +201,25 @@ def test_pinned_yes_fails_at_start_when_memory_cannot_be_page_locked() -> None:
     with pytest.raises(TierError, match=r"tiers\[0\]\.host\.pinned: yes.*pinned: auto"):
         build_host(HostConfig(capacity=1 << 20, pinned="yes"), 4096)
     assert not build_host(HostConfig(capacity=1 << 20, pinned="auto"), 4096).pool.pinned
+
+
+def _s3(**kw: object) -> dict[str, object]:
+    return {"tiers": [{"host": {"capacity": "1GiB"}},
+                      {"s3": {"bucket": "b-1", "capacity": "1GiB", **kw}}]}
+
+
+def test_s3_conditionals_defaults_to_auto_and_takes_the_modes() -> None:
+    s3 = parse_config(_s3(), environ={}).tiers[1].s3
+    assert s3 is not None and s3.conditionals == "auto"
+    for mode in ("auto", "trusted", "untrusted"):
+        s3 = parse_config(_s3(conditionals=mode), environ={}).tiers[1].s3
+        assert s3 is not None and s3.conditionals == mode
+
+
+@pytest.mark.parametrize("bad", [SECRET, "yes", True, 1])
+def test_a_bad_s3_conditionals_names_the_choices_never_the_value(bad: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(_s3(conditionals=bad), environ={})
+    msg = str(e.value)
+    assert "tiers[1].s3.conditionals: Input should be 'auto', 'trusted' or 'untrusted'" in msg
+    assert SECRET not in msg and "wJalr" not in msg

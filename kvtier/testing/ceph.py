@@ -25,8 +25,8 @@ Test support only. It needs Debian's Ceph packages (``make ceph`` installs them;
   RGW alike.
 * ``mount(name)`` adds a ``ceph-fuse`` client with its own client id: two mounts are two
   "nodes" with their own caches, talking to the MDS like separate machines.
-* ``pause_rgw``/``resume_rgw`` SIGSTOP/SIGCONT radosgw: an S3 endpoint that accepts
-  connections but never answers.
+* ``pause``/``resume`` SIGSTOP/SIGCONT daemons: radosgw becomes an S3 endpoint that accepts
+  connections but never answers; the MDS and OSD, a shared filesystem that hangs.
 """
 
 from __future__ import annotations
@@ -295,12 +295,17 @@ rgw_gc_processor_period = 60
         self.mounts.append(where)
         return where
 
-    def pause_rgw(self) -> None:
-        """Freeze radosgw: connections are accepted, nothing is answered."""
-        self._procs["rgw"].send_signal(signal.SIGSTOP)
+    def pause(self, *daemons: str) -> None:
+        """Freeze daemons (``"rgw"``, ``"mds"``, ``"osd"``, ``"mon"``, ``"mgr"``) with
+        SIGSTOP. A frozen RGW accepts connections and never answers; with the MDS and the
+        OSD frozen, CephFS calls that need them block, as on a hard-mounted NFS whose
+        server is gone. Resume soon: the cluster's own timers keep running."""
+        for name in daemons:
+            self._procs[name].send_signal(signal.SIGSTOP)
 
-    def resume_rgw(self) -> None:
-        self._procs["rgw"].send_signal(signal.SIGCONT)
+    def resume(self, *daemons: str) -> None:
+        for name in daemons:
+            self._procs[name].send_signal(signal.SIGCONT)
 
     # -- stop -----------------------------------------------------------------------------
     def stop(self) -> None:

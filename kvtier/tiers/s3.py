@@ -7,15 +7,21 @@ keeps the index, recency and capacity; ``kvtier.tiers.s3io`` moves the bytes.
 Invariants:
 
 * A PUT is atomic: readers see the whole object or none. CREATE is a conditional put
-  (``If-None-Match: *``; the endpoint must support conditional writes, as AWS, MinIO and
-  moto do), so it never replaces an object, not even one another node wrote a moment
-  ago; OVERWRITE is a plain put. Objects above ``multipart_threshold`` go up as a
-  multipart upload with parallel parts.
+  (``If-None-Match: *``), so it never replaces an object, not even one another node wrote
+  a moment ago; OVERWRITE is a plain put. Objects above ``multipart_threshold`` go up as
+  a multipart upload with parallel parts.
+* Which conditions the endpoint honours is probed once at start (``conditionals: auto``;
+  ``kvtier.tiers.s3caps``) or set by config (``trusted``/``untrusted``), and is fixed for
+  the tier's life (``self.conditionals``). Where one is not honoured (Ceph RGW 16.2
+  ignores If-None-Match on multipart completion, ETag conditions on DeleteObject and
+  DeleteObjects, and the copy condition) a HEAD just before the request stands in for
+  it; each such window is stated in ``s3caps`` and costs at most a recompute, never
+  wrong KV.
 * A GET is ranged GETs streamed straight into the caller's buffer, in parallel above
   ``part_size``, all from one object version. Header and payload (and the reader's
   ``ChunkSpec``, when given) are verified before the meta is returned. A corrupt object
-  is counted and deleted, but only if it is still the version that was read
-  (``If-Match``); a version replaced mid-read is a plain miss.
+  is counted and deleted, but only if it is still the version that was read (``If-Match``,
+  or an ETag-comparing HEAD); a version replaced mid-read is a plain miss.
 * Recency is shared by all nodes: a hit rewrites the object's ``kvtier-used`` metadata
   (kvtier's wall clock) with a server-side copy onto itself, at most once per
   ``touch_interval``; that also refreshes LastModified for listings.
@@ -23,11 +29,13 @@ Invariants:
   and on ``rescan()``; a listing has only LastModified, which stands in for recency.
   Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
   re-reads each victim's recency with a HEAD, keeps those another node used since, and
-  deletes the rest in batches conditioned on the ETag it saw (so an object replaced by
-  different bytes survives; a restamp may keep the ETag, see below).
+  deletes the rest conditioned on the ETag it saw (a conditional batch, conditional
+  DELETEs, or one HEAD-compare-DELETE each that also compares the stamp; ``s3caps.Deleter``),
+  so an object replaced by different bytes survives (a restamp may keep the ETag: only the
+  HEAD path sees it).
 * Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start. ``renew`` rewrites
   it to now unconditionally; ``expire`` lists the prefix, HEADs each candidate (another
-  node may have renewed it) and deletes the expired ones conditioned on their ETag.
+  node may have renewed it) and deletes the expired ones the same way as ``collect``.
 * No I/O under the index lock (``RecencyIndex``): a lookup never waits for a HEAD or a
   DELETE. ``collect`` and ``expire`` pick victims from a snapshot of the index, HEAD and
   DELETE unlocked, skip a victim this node read, wrote or renewed since the snapshot, and
@@ -75,6 +83,7 @@ from kvtier.tiers.base import (
     as_bytes_view,
 )
 from kvtier.tiers.recency import Entry, RecencyIndex
+from kvtier.tiers.s3caps import USED, Deleter, Mode, Outcome, Victim, resolve, used
 from kvtier.tiers.s3check import check_bucket
 from kvtier.tiers.s3io import (
     MIN_PART,
@@ -92,24 +101,15 @@ from kvtier.tiers.s3io import (
 
 log = logging.getLogger("kvtier.s3")
 
-_USED = "kvtier-used"  # object metadata: kvtier wall-clock time of the last use
 _SUFFIX = ".kv"
 _CLOCK_SKEW_S = 60.0  # leeway between a node's clock and the endpoint's LastModified
-_DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 _GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
-
-
-def _used(head: Head) -> float:
-    try:
-        return float(head.metadata[_USED])
-    except (KeyError, ValueError):
-        return head.last_modified  # written by something other than kvtier
 
 
 @dataclass(frozen=True)
 class _Doomed:
     key: ChunkKey
-    etag: str  # "": delete whatever is there
+    victim: Victim  # the object and the version (ETag, stamp) the decision was made on
     seen: Entry | None  # the index entry the decision was made on (None: any)
 
 
@@ -134,6 +134,7 @@ class S3Tier:
         clock: Clock = SYSTEM_CLOCK,
         name: str = "s3",
         setting: str = "s3",
+        conditionals: Mode = "auto",
     ) -> None:
         self._name = name
         self._setting = setting
@@ -154,6 +155,8 @@ class S3Tier:
             (max_concurrency >= 1, f"max_concurrency: must be >= 1, got {max_concurrency}"),
             (max_attempts >= 1, f"max_attempts: must be >= 1, got {max_attempts}"),
             (0 < low_watermark <= 1, f"low_watermark: must be in (0, 1], got {low_watermark}"),
+            (conditionals in ("auto", "trusted", "untrusted"),
+             "conditionals: must be auto, trusted or untrusted"),
         ]:
             if not ok:
                 raise TierError(f"{setting}.{problem}")
@@ -163,6 +166,8 @@ class S3Tier:
         probe = make(min(connect_timeout, 2.0), min(read_timeout, 5.0), min(max_attempts, 2))
         try:
             check_bucket(probe, bucket, setting=setting, endpoint_url=endpoint_url)
+            #: What the endpoint honours, and so which fallbacks run (``s3caps``).
+            self.conditionals = resolve(conditionals, probe, bucket, self.prefix, name=name)
         finally:
             probe.close()
         self.io = ObjectIO(
@@ -171,7 +176,9 @@ class S3Tier:
             part_size=part_size,
             multipart_threshold=multipart_threshold,
             workers=max_concurrency,
+            conditionals=self.conditionals,
         )
+        self._deleter = Deleter(self.io, self.conditionals)
         try:
             self.rescan()
         except TierError:
@@ -238,7 +245,7 @@ class S3Tier:
         if head is None:
             self._recency.forget(key)
             return False
-        self._recency.remember(key, head.size, _used(head))
+        self._recency.remember(key, head.size, used(head))
         return True
 
     # -- Tier protocol -------------------------------------------------------------------
@@ -300,15 +307,17 @@ class S3Tier:
 
     def _stamp(self, name: str, now: float, etag: str = "") -> bool:
         """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
-        (only if it is still version ``etag``, when given); False if gone or failed."""
-        cond = {"CopySourceIfMatch": etag} if etag else {}
+        (only if it is still version ``etag``, when given and the endpoint honours that;
+        copying a newer version instead is harmless, see ``s3caps``); False if gone or
+        failed."""
+        cond = {"CopySourceIfMatch": etag} if etag and self.conditionals.copy_if_match else {}
         try:
             self.io.client.copy_object(
                 Bucket=self.bucket,
                 Key=name,
                 CopySource={"Bucket": self.bucket, "Key": name},
                 MetadataDirective="REPLACE",
-                Metadata={_USED: repr(now)},
+                Metadata={USED: repr(now)},
                 **cond,
             )
         except ClientError as e:
@@ -323,15 +332,11 @@ class S3Tier:
     def _quarantine(self, key: ChunkKey, name: str, etag: str, why: str) -> None:
         """Delete a corrupt object, unless someone replaced it since it was read."""
         self.metrics.corrupt()
-        log.warning("corrupt object s3://%s/%s removed: %s", self.bucket, name, why)
-        cond = {"IfMatch": etag} if etag else {}
-        try:
-            self.io.client.delete_object(Bucket=self.bucket, Key=name, **cond)
-        except ClientError as e:
-            if code(e) not in _GONE:
-                self._fault("delete", e)
-        except BotoCoreError as e:
-            self._fault("delete", e)
+        outcome = self._deleter.delete_one(Victim(name, etag))
+        if isinstance(outcome, Exception):
+            self._fault("delete", outcome)
+        done = "removed" if outcome is Outcome.DELETED else "not removed"
+        log.warning("corrupt object s3://%s/%s %s: %s", self.bucket, name, done, why)
         self._recency.forget(key)
 
     def put(
@@ -349,7 +354,7 @@ class S3Tier:
         head = memoryview(encode_header(meta, body))
         now = self._clock.wall()
         try:
-            self.io.write(self.object_name(meta.key), head, body, {_USED: repr(now)}, create=create)
+            self.io.write(self.object_name(meta.key), head, body, {USED: repr(now)}, create=create)
         except Exists:
             return PutStatus.EXISTS
         except S3_ERRORS as e:
@@ -364,38 +369,30 @@ class S3Tier:
         return PutStatus.STORED
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
-        doomed = {self.object_name(k): _Doomed(k, "", None) for k in keys if self._known(k)}
+        names = {self.object_name(k): k for k in keys if self._known(k)}
+        doomed = {n: _Doomed(k, Victim(n, ""), None) for n, k in names.items()}
         return self._delete(doomed, evicting=False)[0]
 
     def _delete(self, doomed: dict[str, _Doomed], *, evicting: bool) -> tuple[int, int]:
-        """Batch-delete ``doomed`` by object name; an ETag makes that delete conditional.
-        A deleted key leaves the index only if its entry is still the one ``seen``.
-        Returns ``(objects, bytes)`` deleted."""
+        """Delete ``doomed`` (by object name), each only while it is still the version its
+        victim names (``s3caps.Deleter``). A deleted key leaves the index only if its entry
+        is still the one ``seen``. Returns ``(objects, bytes)`` deleted."""
         n = freed = 0
-        names = list(doomed)
-        for i in range(0, len(names), _DELETE_BATCH):
-            batch = names[i : i + _DELETE_BATCH]
-            objs = [{"Key": k, "ETag": doomed[k].etag} if doomed[k].etag else {"Key": k}
-                    for k in batch]
-            try:
-                r = self.io.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True}
-                )
-            except S3_ERRORS as e:
-                self._fault("collect" if evicting else "delete", e)
-                break
-            kept = {err["Key"] for err in r.get("Errors", [])}  # e.g. replaced since
-            for obj in objs:
-                if obj["Key"] in kept:
-                    continue
-                d = doomed[obj["Key"]]
-                if d.seen is None:
-                    entry = self._recency.forget(d.key)
-                    freed += entry.size if entry is not None else 0
-                else:
-                    self._recency.forget_if(d.key, d.seen)
-                    freed += d.seen.size
-                n += 1
+        removal = self._deleter.delete([d.victim for d in doomed.values()])
+        if removal.fault is not None:
+            self._fault("collect" if evicting else "delete", removal.fault)
+        for name, outcome in removal.outcomes.items():
+            d = doomed[name]
+            if outcome is Outcome.KEPT:  # e.g. replaced since
+                continue
+            if d.seen is None:
+                entry = self._recency.forget(d.key)
+                size = entry.size if entry is not None else 0
+            else:
+                self._recency.forget_if(d.key, d.seen)
+                size = d.seen.size
+            if outcome is Outcome.DELETED:
+                n, freed = n + 1, freed + size
         if evicting:
             self.metrics.evicted(n)
         self.metrics.used(self._recency.bytes)
@@ -460,10 +457,11 @@ class S3Tier:
         for (key, seen), head in zip(picked, heads, strict=True):
             if head is None:
                 self._recency.forget_if(key, seen)  # already gone
-            elif _used(head) >= (seen.last_used + 1e-3 if keep_from is None else keep_from):
-                self._recency.replace_if(key, seen, head.size, _used(head))
+            elif used(head) >= (seen.last_used + 1e-3 if keep_from is None else keep_from):
+                self._recency.replace_if(key, seen, head.size, used(head))
             elif self._recency.get(key) is seen:  # else this node used it since the pick
-                doomed[self.object_name(key)] = _Doomed(key, head.etag, seen)
+                name = self.object_name(key)
+                doomed[name] = _Doomed(key, Victim(name, head.etag, used(head)), seen)
         return doomed
 
     # -- leases --------------------------------------------------------------------------

@@ -10,8 +10,17 @@ Invariants:
   before a call returns or raises: it reads or writes buffers the caller owns.
 * ``read`` returns the object's length and ETag, raises ``Missing`` when there is no object
   and ``Changed`` unless every range came from one version (same ETag and length).
-* ``write`` with ``create=True`` is conditional (``If-None-Match: *``) and raises
-  ``Exists`` instead of replacing an object. A failed multipart upload is aborted.
+* ``write`` with ``create=True`` raises ``Exists`` instead of replacing an object: by the
+  condition ``If-None-Match: *`` on the PUT or the multipart completion where the endpoint
+  honours it (``Conditionals``, probed at start), else by a HEAD just before the PUT, or
+  before CreateMultipartUpload and again just before CompleteMultipartUpload. After that
+  last HEAD a concurrent create can still land and be replaced by ours: both are complete
+  objects of the same key (``kvtier.tiers.s3caps``). A failed or refused multipart upload
+  is aborted. Nothing uses the completion's ETag (RGW answers an empty one).
+* A range past the object's end (416) gives the length from ``ActualObjectSize`` where the
+  endpoint reports it (AWS, moto) and none otherwise (RGW 16.2). Without it, a 416 for
+  the range from 0 means an empty object, and a later range counts as empty: right if it
+  starts at or past the length the range from 0 reported, else the read is ``Changed``.
 * Endpoint faults propagate as botocore exceptions (``S3_ERRORS``), after botocore's own
   retries; ``describe`` names them without quoting requests or credentials. A size the
   endpoint reports that is not a byte count is such a fault too (``BadAnswer``).
@@ -24,12 +33,15 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.objformat import HEADER_SPAN
+
+if TYPE_CHECKING:
+    from kvtier.tiers.s3caps import Conditionals
 
 MiB = 2**20
 MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
@@ -190,10 +202,18 @@ class ObjectIO:
     """Whole-object transfers on one bucket, parallel above ``part_size``."""
 
     def __init__(
-        self, client: Any, bucket: str, *, part_size: int, multipart_threshold: int, workers: int
+        self,
+        client: Any,
+        bucket: str,
+        *,
+        part_size: int,
+        multipart_threshold: int,
+        workers: int,
+        conditionals: Conditionals,
     ) -> None:
         self.client = client
         self.bucket = bucket
+        self.conditionals = conditionals
         self._part_size = part_size
         self._threshold = multipart_threshold
         self._workers = workers
@@ -296,11 +316,18 @@ class ObjectIO:
         *,
         create: bool,
     ) -> None:
-        """Store ``head`` + ``body`` as one object; with ``create``, only if it is absent."""
-        cond = {"IfNoneMatch": "*"} if create else {}
+        """Store ``head`` + ``body`` as one object; with ``create``, only if it is absent
+        (see the module docstring for endpoints that ignore ``If-None-Match``)."""
+        multipart = head.nbytes + body.nbytes > self._threshold
+        c = self.conditionals
+        honoured = c.complete_if_none_match if multipart else c.put_if_none_match
+        cond = {"IfNoneMatch": "*"} if create and honoured else {}
+        check = create and not honoured  # a HEAD stands in for the condition
+        if check and self.head(name) is not None:
+            raise Exists
         try:
-            if head.nbytes + body.nbytes > self._threshold:
-                self._write_multipart(name, head, body, metadata, cond)
+            if multipart:
+                self._write_multipart(name, head, body, metadata, cond, check=check)
             else:
                 self.client.put_object(
                     Bucket=self.bucket,
@@ -321,6 +348,8 @@ class ObjectIO:
         body: memoryview,
         metadata: dict[str, str],
         cond: dict[str, str],
+        *,
+        check: bool,
     ) -> None:
         length = head.nbytes + body.nbytes
         step = max(self._part_size, -(-length // MAX_PARTS))
@@ -341,6 +370,8 @@ class ObjectIO:
 
         try:
             parts = self.parallel(send, list(enumerate(range(0, length, step), start=1)))
+            if check and self.head(name) is not None:  # created meanwhile, by another node
+                raise Exists
             self.client.complete_multipart_upload(
                 Bucket=self.bucket,
                 Key=name,

@@ -171,9 +171,6 @@ def test_frozen_endpoint_times_out_instead_of_hanging(own_server: MotoServer) ->
 
 
 # -- large objects ---------------------------------------------------------------------------
-@pytest.mark.xfail(
-    reason="RGW ignores If-None-Match on CompleteMultipartUpload (fix in progress)", strict=False
-)
 def test_multipart_upload_round_trips_exactly(endpoint: str) -> None:
     tier = _tier(endpoint, multipart_threshold=5 * MiB, part_size=5 * MiB)
     other = _tier(endpoint, prefix=tier.prefix, multipart_threshold=5 * MiB, part_size=5 * MiB)
