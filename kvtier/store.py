@@ -2,13 +2,16 @@
 
 Data flows:
 
-* ``put`` / ``reserve``+``commit`` write into the host tier only; the caller never waits on
-  storage. Each write-through tier gets the chunk queued at once. With write-back tiers the
-  chunk is *dirty* until spilled; when free-or-clean host slots fall below the reserve, the
-  coldest dirty chunks are queued for spilling, then marked clean and so evictable.
+* ``put`` / ``reserve(key)``+``commit(slot, meta)`` write into the host tier only (the one
+  entry point for filling host slots: a slot is reserved for a key and gets its meta when
+  committed); the caller never waits on storage. Each write-through tier gets the chunk
+  queued at once. With write-back tiers the chunk is *dirty* until spilled; when
+  free-or-clean host slots fall below the reserve, the coldest dirty chunks are queued for
+  spilling, then marked clean and so evictable.
 * ``lookup`` answers "how long is the stored prefix, and where is each chunk".
-* ``load`` promotes lower-tier hits into host slots (on the IO pool, ahead of stores) and
-  hands back the chunks pinned, so they cannot be evicted before the caller copies them.
+* ``load(found)`` takes that answer, promotes its lower-tier entries into host slots (on
+  the IO pool, ahead of stores) from the tier the lookup named, and hands back the chunks
+  *held* (``Held``), so they cannot be evicted before the caller copies them.
 
 Invariants:
 
@@ -21,9 +24,18 @@ Invariants:
   whole slots, so a short or foreign chunk would hand it stale bytes. A mismatch is a
   counted corruption and a miss that ends the prefix; the lower tiers also remove the object
   (only if it is still the one read).
+* ``load`` never trusts a stale lookup: a host entry evicted since is a counted miss, read
+  from a lower tier whose index knows it (memory only) if any, else the end of the prefix;
+  an object gone from the tier named is a counted miss that ends the prefix (recompute).
+  Never a wrong chunk, and never a second round of asking the tiers.
 * ``load`` leaks nothing: a promotion slot is committed or aborted, never left WRITING, and
-  a future that fails (only a bug can make it) holds no pins; one that succeeds holds
-  exactly the slots in its ``Pinned``, to be released once.
+  a future that fails (only a bug can make it) holds no slots; one that succeeds holds
+  exactly the slots in its ``Held``, to be released once.
+
+Threads: ``lookup_indexed``, ``reserve``/``holds``/``commit``/``abort``, ``put``, ``load``
+and ``can_probe``/``probe`` do no I/O on the calling thread (vLLM's scheduler thread calls
+them); ``lookup`` and ``get_into`` may, and are for IO threads and tools. A ``Held`` may
+be released from any thread.
 """
 
 from __future__ import annotations
@@ -54,6 +66,9 @@ log = logging.getLogger("kvtier.store")
 
 HOST = 0  # tier index of the host tier in every Lookup
 
+#: A held host slot and the tier its chunk was read from: ``((slot, meta), tier index)``.
+_Hit = tuple[tuple[int, ChunkMeta], int]
+
 
 class WritePolicy(StrEnum):
     BACK = "back"
@@ -77,6 +92,10 @@ class Lookup:
     def hits(self) -> int:
         return len(self.keys)
 
+    def head(self, n: int) -> Lookup:
+        """The first ``n`` entries."""
+        return Lookup(self.keys[:n], self.tiers[:n])
+
 
 @dataclass(frozen=True)
 class FlushReport:
@@ -88,12 +107,17 @@ class FlushReport:
 
 
 @dataclass
-class Pinned:
-    """Host slots pinned for reading, in key order. Release exactly once."""
+class Held:
+    """Host slots held for reading (never evicted meanwhile), in key order. Release
+    exactly once, from any thread."""
 
     store: TieredStore
     slots: list[tuple[int, ChunkMeta]] = field(default_factory=list)
     from_tier: list[int] = field(default_factory=list)
+
+    def add(self, hit: _Hit) -> None:
+        self.slots.append(hit[0])
+        self.from_tier.append(hit[1])
 
     def view(self, i: int) -> np.ndarray:
         slot, meta = self.slots[i]
@@ -228,7 +252,8 @@ class TieredStore:
     # -- writes ------------------------------------------------------------------------
     def put(self, meta: ChunkMeta, payload: Any) -> bool:
         """Copy one chunk into the host tier. False if it was present or had to be dropped."""
-        r = self.host.reserve(meta)
+        self.host.check_fits(meta)
+        r = self.host.reserve(meta.key)
         if r is None:
             if not self.host.index.contains(meta.key):
                 self._drop("host_full")
@@ -242,11 +267,11 @@ class TieredStore:
         self.commit(r.slot, meta)
         return True
 
-    def reserve(self, meta: ChunkMeta) -> int | None:
-        """A host slot to fill with ``meta``'s chunk (then ``commit`` or ``abort``); None
-        if the chunk is already held (or being written) or the pool is all pinned or
-        dirty: the caller copies nothing. Memory only."""
-        r = self.host.reserve(meta)
+    def reserve(self, key: ChunkKey) -> int | None:
+        """A host slot to fill with ``key``'s chunk (then ``commit`` with its meta, or
+        ``abort``); None if the chunk is already there (or being written) or every slot is
+        held or dirty: the caller copies nothing. Memory only."""
+        r = self.host.reserve(key)
         return None if r is None else r.slot
 
     def holds(self, key: ChunkKey) -> bool:
@@ -258,8 +283,8 @@ class TieredStore:
         self.host.abort(slot)
 
     def commit(self, slot: int, meta: ChunkMeta) -> None:
-        """Publish a slot filled after ``reserve``; queue its lower-tier writes."""
-        self.host.commit(slot, dirty=bool(self._back))
+        """Publish a slot filled after ``reserve(meta.key)``; queue its lower-tier writes."""
+        self.host.commit(slot, meta, dirty=bool(self._back))
         self.host.metrics.wrote(meta.payload_len)
         for tier in self._through:
             self._queue_write(slot, meta, [tier], spill=False)
@@ -282,7 +307,7 @@ class TieredStore:
 
         def job() -> None:
             for key in todo:
-                got = self.host.index.acquire(key)
+                got = self.host.index.hold(key)
                 if got is None:
                     continue  # evicted since
                 slot, meta = got
@@ -297,7 +322,7 @@ class TieredStore:
         if self.host.index.clean_or_free() >= self._reserve_slots:
             return
         for slot, meta in self.host.index.take_dirty(self._spill_batch):
-            self._queue_write(slot, meta, self._back, spill=True, pinned=True)
+            self._queue_write(slot, meta, self._back, spill=True, held=True)
 
     def _queue_write(
         self,
@@ -306,13 +331,14 @@ class TieredStore:
         tiers: Sequence[Tier],
         *,
         spill: bool,
-        pinned: bool = False,
+        held: bool = False,
     ) -> Future[Any] | None:
-        """Queue a write of one host slot; the job's result is True if every tier holds it.
+        """Queue a write of one host slot (``held``: the caller holds it already); the job
+        releases the hold, and its result is True if every tier holds the chunk.
 
         ``None`` if the chunk was evicted first or the store queue was full (counted).
         """
-        if not pinned and self.host.index.acquire(meta.key) is None:
+        if not held and self.host.index.hold(meta.key) is None:
             return None  # evicted before we got to it
 
         def job() -> bool:
@@ -332,7 +358,7 @@ class TieredStore:
         return fut
 
     def _write_slot(self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier]) -> bool:
-        """Write one pinned host slot to ``tiers``; True if every tier now holds it. A tier
+        """Write one held host slot to ``tiers``; True if every tier now holds it. A tier
         whose breaker is open is skipped and the write counted as dropped."""
         view = self.host.view(slot, meta.payload_len).data
         ok = True
@@ -362,115 +388,144 @@ class TieredStore:
         record_drop(reason)
 
     # -- reads -------------------------------------------------------------------------
-    def load(
-        self, keys: Sequence[ChunkKey], expect: ChunkSpec | None = None
-    ) -> Future[Pinned]:
-        """Pin the longest stored prefix of ``keys`` in host slots, promoting as needed.
+    def load(self, found: Lookup, expect: ChunkSpec | None = None) -> Future[Held]:
+        """Hold the chunks of ``found`` (a ``lookup_indexed`` or ``lookup`` answer, or its
+        ``head``) in host slots, in order, promoting lower-tier entries into host slots.
 
-        Host hits are pinned at once; lower-tier hits are read on the IO pool (loads run
-        before stores). With ``expect``, only chunks that match it are served: a host slot
-        or object of another namespace, token count, dtype, shape or payload length is a
-        counted miss. The future never raises for storage faults or bad objects: a chunk
-        that cannot be read ends the prefix. If it raises anyway (a bug), it holds no pins.
+        Each chunk is read from the tier ``found`` names: no tier is asked again where a
+        key is. What changed since the lookup is checked, not trusted: a host entry lost
+        meanwhile (evicted, or not what ``expect`` says) is a counted miss, then read from
+        the first lower tier whose index knows it, if any; an object gone from its tier is
+        a counted miss; either ends the prefix when nothing else has the chunk. A chunk
+        another load promoted meanwhile is served from the host. Leading host
+        entries are held at once, on the calling thread; the rest are read on the IO pool
+        (loads run before stores). With ``expect``, only chunks that match it are served: a
+        host slot or object of another namespace, token count, dtype, shape or payload
+        length is a counted miss. The future never raises for storage faults or bad
+        objects: a chunk that cannot be read ends the prefix. If it raises anyway (a bug),
+        it holds no slots.
         """
         if expect is not None and expect.payload_len > self.host.slot_bytes:
             raise ValueError(
                 f"expected chunks of {expect.payload_len} bytes do not fit the host tier's "
                 f"{self.host.slot_bytes}-byte slots"
             )
-        pinned = Pinned(self)
+        held = Held(self)
+        entries = list(zip(found.keys, found.tiers, strict=True))
+        rest: list[tuple[ChunkKey, int]] = []
         try:
-            for key in keys:
-                got = self.host.acquire(key, expect)
-                if got is None:
+            for i, (key, tier) in enumerate(entries):
+                if tier != HOST:
+                    rest = entries[i:]
                     break
-                pinned.slots.append(got)
-                pinned.from_tier.append(HOST)
-            rest = list(keys[len(pinned.slots) :])
+                got = self._hold_host(key, expect)
+                if got is None:  # gone (or bad) since the lookup: read it below, or stop
+                    alt = self._indexed_below(key)
+                    rest = [] if alt is None else [(key, alt), *entries[i + 1 :]]
+                    break
+                held.add(got)
             if not rest:
-                done: Future[Pinned] = Future()
-                done.set_result(pinned)
+                done: Future[Held] = Future()
+                done.set_result(held)
                 return done
-            return self.io.submit_load(lambda: self._promote(pinned, rest, expect))
+            return self.io.submit_load(lambda: self._promote(held, rest, expect))
         except BaseException:
-            pinned.release()
+            held.release()
             raise
+
+    def _hold_host(self, key: ChunkKey, expect: ChunkSpec | None) -> _Hit | None:
+        """Hold ``key``'s host slot: ``((slot, meta), HOST)``; a miss (evicted, or not
+        what ``expect`` says) is counted."""
+        got = self.host.hold(key, expect)
+        if got is None:
+            self.host.metrics.miss()
+            return None
+        return got, HOST
+
+    def _indexed_below(self, key: ChunkKey) -> int | None:
+        """The first lower tier whose breaker is up and whose index knows ``key`` (memory
+        only): where a chunk the host lost since the lookup may still be read."""
+        return next((i for i, (lt, b) in enumerate(zip(self.lower, self.breakers,
+                                                       strict=True), start=1)
+                     if b.up and lt.tier.indexed(key)), None)
 
     def _promote(
-        self, pinned: Pinned, keys: list[ChunkKey], expect: ChunkSpec | None
-    ) -> Pinned:
+        self, held: Held, entries: list[tuple[ChunkKey, int]], expect: ChunkSpec | None
+    ) -> Held:
         try:
-            for key in keys:
-                got = self._promote_one(key, expect)
+            for key, tier in entries:
+                if tier == HOST:
+                    got = self._hold_host(key, expect)
+                    if got is None and (alt := self._indexed_below(key)) is not None:
+                        got = self._promote_one(key, alt, expect)
+                else:
+                    got = self._promote_one(key, tier, expect)
                 if got is None:
                     break
-                pinned.slots.append(got[0])
-                pinned.from_tier.append(got[1])
+                held.add(got)
         except BaseException:
-            pinned.release()  # the caller gets the exception, and no pins to release
+            held.release()  # the caller gets the exception, and no slots to release
             raise
-        return pinned
+        return held
 
     def _promote_one(
-        self, key: ChunkKey, expect: ChunkSpec | None
-    ) -> tuple[tuple[int, ChunkMeta], int] | None:
-        for i, lt in enumerate(self.lower, start=1):
-            t0 = time.perf_counter()
-            if not (lt.tier.indexed(key) or self._ask(lt.tier, key)):
-                continue  # (an indexed object that is gone is a miss of get_into below)
-            r = self.host.reserve(ChunkMeta(b"", key, None, 0, "uint8", (0,), 0))
-            if r is None:  # promoted concurrently by someone else
-                got = self.host.acquire(key, expect)
-                return (got, HOST) if got is not None else None
-            try:
-                with self._call(lt.tier, read=True):
-                    filled = self._fill(r.slot, key, lt.tier, expect)
-            except TierUnavailable:
-                self.host.abort(r.slot)
-                continue
-            if not filled:
-                continue
-            got = self.host.acquire(key, expect)
-            if got is None:
-                return None
-            if self.on_read is not None:  # verified hits only: what a restore really costs
-                self.on_read(lt.tier.name, got[1].payload_len, time.perf_counter() - t0)
-            return got, i
-        return None
+        self, key: ChunkKey, tier_index: int, expect: ChunkSpec | None
+    ) -> _Hit | None:
+        """Read ``key`` from tier ``tier_index`` (where the lookup found it) into a host
+        slot and hold it: ``((slot, meta), tier it came from)``, or ``None`` if it cannot
+        be had now (gone, bad, or the tier is down)."""
+        tier = self.lower[tier_index - 1].tier
+        t0 = time.perf_counter()
+        r = self.host.reserve(key)
+        if r is None:  # promoted (or being written) meanwhile by someone else
+            return self._hold_host(key, expect)
+        try:
+            with self._call(tier, read=True):
+                filled = self._fill(r.slot, key, tier, expect)
+        except TierUnavailable:
+            self.host.abort(r.slot)
+            return None
+        if not filled:
+            return None
+        got = self._hold_host(key, expect)
+        if got is not None and self.on_read is not None:
+            # verified hits only: what a restore really costs
+            self.on_read(tier.name, got[0][1].payload_len, time.perf_counter() - t0)
+        return None if got is None else (got[0], tier_index)
 
     def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
-        """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean) if the
-        tier returned verified bytes, else abort it. The slot is never left WRITING."""
+        """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean, with the
+        meta the tier verified) if the tier returned verified bytes, else abort it. The
+        slot is never left WRITING."""
         try:
             meta = tier.get_into(key, self.host.view(slot).data, expect=expect)
-            if meta is not None:
-                self.host.index.set_meta(slot, meta)
         except BaseException:
             self.host.abort(slot)
             raise
         if meta is None:
             self.host.abort(slot)
             return False
-        self.host.commit(slot, dirty=False)
+        self.host.commit(slot, meta, dirty=False)  # aborts and raises if it cannot
         return True
 
     def get_into(
         self, key: ChunkKey, dst: memoryview, expect: ChunkSpec | None = None
     ) -> ChunkMeta | None:
-        """Synchronous read of one chunk from the highest tier that has it."""
-        pinned = self.load([key], expect).result()
+        """Synchronous read of one chunk from the highest tier that has it (an authoritative
+        ``lookup``: may do I/O; IO threads and tools only)."""
+        held = self.load(self.lookup([key]), expect).result()
         try:
-            if not pinned.slots:
+            if not held.slots:
                 return None
-            meta = pinned.slots[0][1]
-            np.copyto(np.frombuffer(dst, dtype=np.uint8, count=meta.payload_len), pinned.view(0))
+            meta = held.slots[0][1]
+            np.copyto(np.frombuffer(dst, dtype=np.uint8, count=meta.payload_len), held.view(0))
             return meta
         finally:
-            pinned.release()
+            held.release()
 
     # -- life cycle --------------------------------------------------------------------
     def drop_host(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> int:
-        """Write dirty chunks below (bounded by ``budget_s``), then drop every unpinned host
+        """Write dirty chunks below (bounded by ``budget_s``), then drop every unheld host
         chunk that is not dirty. Returns how many were dropped.
 
         What ``reset_cache`` means for kvtier: the host tier is emptied, nothing stored is
@@ -501,7 +556,7 @@ class TieredStore:
         jobs: dict[Future[Any], ChunkKey] = {}
         batch = self.host.index.take_dirty(max_n, hottest_first=True, skip=skip)
         for i, (slot, meta) in enumerate(batch):
-            fut = self._queue_write(slot, meta, self._back, spill=False, pinned=True)
+            fut = self._queue_write(slot, meta, self._back, spill=False, held=True)
             if fut is None:  # the store queue is full: the rest stay dirty for later
                 for rest, _ in batch[i + 1 :]:
                     self.host.release(rest)

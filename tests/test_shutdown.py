@@ -56,7 +56,7 @@ def test_shutdown_writes_dirty_chunks_most_recently_used_first(tmp_path: Path) -
     tier = RecordingTier(tmp_path / "t")
     store = _store(tier)
     keys = _fill(store, 5)
-    store.load([keys[1]]).result().release()  # a hit: now the most recently used
+    store.load(store.lookup([keys[1]])).result().release()  # a hit: now the most recently used
     report = store.shutdown(budget_s=30)
     assert (report.flushed, report.left) == (5, 0)
     assert tier.order == [keys[1], keys[4], keys[3], keys[2], keys[0]]
@@ -91,9 +91,9 @@ def test_reset_writes_dirty_chunks_then_empties_the_host_tier(tmp_path: Path) ->
     store = _store(tier)
     try:
         keys = _fill(store, 4)
-        pinned = store.load([keys[0]]).result()  # being copied: kept, still dirty
+        held = store.load(store.lookup([keys[0]])).result()  # being copied: kept, still dirty
         assert store.drop_host(budget_s=30) == 3
-        pinned.release()
+        held.release()
         assert store.host.contains_prefix(keys) == 1
         assert tier.contains_prefix(keys[1:]) == 3  # nothing stored was lost
         assert store.lookup(keys).hits == 4

@@ -97,29 +97,29 @@ def test_lookup_reports_prefix_and_location(through: TieredStore) -> None:
     assert lk.tiers == (1, 1, HOST, HOST, HOST, HOST)
 
 
-def test_load_promotes_and_pins(through: TieredStore) -> None:
+def test_load_promotes_and_holds(through: TieredStore) -> None:
     for i in range(6):
         _put(through, i)
         through.flush()
     keys = [make_key(i) for i in (0, 1)]
-    pinned = through.load(keys).result(timeout=30)
+    held = through.load(through.lookup(keys)).result(timeout=30)
     try:
-        assert pinned.from_tier == [1, 1]
+        assert held.from_tier == [1, 1]
         for j, key in enumerate(keys):
-            np.testing.assert_array_equal(pinned.view(j), payload_for(key))
+            np.testing.assert_array_equal(held.view(j), payload_for(key))
         assert through.lookup(keys).tiers == (HOST, HOST)
     finally:
-        pinned.release()
+        held.release()
 
 
-def test_pinned_chunks_are_not_evicted(through: TieredStore) -> None:
+def test_held_chunks_are_not_evicted(through: TieredStore) -> None:
     for i in range(4):
         _put(through, i)
     through.flush()
-    pinned = through.load([make_key(i) for i in range(4)]).result(timeout=30)
-    assert not _put(through, 9)  # every slot pinned: dropped, not blocking
+    held = through.load(through.lookup([make_key(i) for i in range(4)])).result(timeout=30)
+    assert not _put(through, 9)  # every slot held: dropped, not blocking
     assert through.drops == 1
-    pinned.release()
+    held.release()
     assert _put(through, 9)
 
 
@@ -139,9 +139,9 @@ def test_write_back_spills_before_evicting(back: TieredStore) -> None:
 def test_load_stops_at_first_missing_chunk(through: TieredStore) -> None:
     _put(through, 0)
     _put(through, 2)
-    pinned = through.load([make_key(i) for i in range(3)]).result(timeout=30)
-    assert len(pinned) == 1
-    pinned.release()
+    held = through.load(through.lookup([make_key(i) for i in range(3)])).result(timeout=30)
+    assert len(held) == 1
+    held.release()
 
 
 @contextmanager
@@ -217,18 +217,18 @@ _BIG = payload_for(make_key(1), 2 * PAYLOAD)
     ],
     ids=["huge-ns", "infinite-ntok", "payload-bigger-than-slot"],
 )
-def test_hostile_object_below_is_a_counted_miss_and_leaks_no_pin(
+def test_hostile_object_below_is_a_counted_miss_and_leaks_no_hold(
     through: TieredStore, wire: dict[str, Any], payload: bytes
 ) -> None:
     file = _file_of(through)
-    assert _put(through, 0)  # a host hit, pinned before the promotion starts
+    assert _put(through, 0)  # a host hit, held before the promotion starts
     file.path_of(make_key(1)).parent.mkdir(parents=True, exist_ok=True)
     file.path_of(make_key(1)).write_bytes(raw_object(wire, payload))
     file.put(meta_for(make_key(2)), payload_for(make_key(2)).data)
     through.flush()
-    pinned = through.load([make_key(i) for i in range(3)]).result(timeout=30)
-    assert pinned.from_tier == [HOST]  # the bad chunk ends the prefix
-    pinned.release()
+    held = through.load(through.lookup([make_key(i) for i in range(3)])).result(timeout=30)
+    assert held.from_tier == [HOST]  # the bad chunk ends the prefix
+    held.release()
     assert file.metrics.counts.corruptions == 1
     assert not file.path_of(make_key(1)).exists()  # removed, not served again
     drain_host(through.host)
@@ -253,8 +253,8 @@ def test_object_not_matching_spec_is_not_promoted(
     key = make_key(1)
     meta = replace(meta_for(key), **changes)
     assert file.put(meta, payload_for(key, meta.payload_len).data) is PutStatus.STORED
-    pinned = through.load([key], SPEC).result(timeout=30)
-    assert len(pinned) == 0
+    held = through.load(through.lookup([key]), SPEC).result(timeout=30)
+    assert len(held) == 0
     assert file.metrics.counts.corruptions == 1
     assert not file.path_of(key).exists()
     assert not through.host.index.contains(key)
@@ -267,13 +267,13 @@ def test_host_slot_not_matching_spec_is_dropped_and_promoted_again(
     key = make_key(0)
     _file_of(through).put(meta_for(key), payload_for(key).data)  # a good copy below
     assert through.host.put(replace(meta_for(key), dtype="float16"), payload_for(key).data)
-    pinned = through.load([key], SPEC).result(timeout=30)
+    held = through.load(through.lookup([key]), SPEC).result(timeout=30)
     try:
-        assert pinned.from_tier == [1]
-        assert pinned.slots[0][1] == meta_for(key)
-        np.testing.assert_array_equal(pinned.view(0), payload_for(key))
+        assert held.from_tier == [1]
+        assert held.slots[0][1] == meta_for(key)
+        np.testing.assert_array_equal(held.view(0), payload_for(key))
     finally:
-        pinned.release()
+        held.release()
     assert through.host.metrics.counts.corruptions == 1
     drain_host(through.host)
 
@@ -283,13 +283,13 @@ def test_matching_spec_serves_host_and_lower_hits(through: TieredStore) -> None:
         _put(through, i)
         through.flush()
     keys = [make_key(i) for i in (4, 5, 0, 1)]
-    pinned = through.load(keys, SPEC).result(timeout=30)
+    held = through.load(through.lookup(keys), SPEC).result(timeout=30)
     try:
-        assert pinned.from_tier == [HOST, HOST, 1, 1]
+        assert held.from_tier == [HOST, HOST, 1, 1]
         for j, key in enumerate(keys):
-            np.testing.assert_array_equal(pinned.view(j), payload_for(key))
+            np.testing.assert_array_equal(held.view(j), payload_for(key))
     finally:
-        pinned.release()
+        held.release()
     drain_host(through.host)
 
 
@@ -300,7 +300,7 @@ class _BrokenReads(FileTier):
         raise RuntimeError("a bug in a tier")
 
 
-def test_unexpected_error_while_promoting_releases_every_pin(tmp_path: Path) -> None:
+def test_unexpected_error_while_promoting_releases_every_hold(tmp_path: Path) -> None:
     host = HostTier(4 * PAYLOAD, PAYLOAD)
     file = _BrokenReads(tmp_path / "file", 1 << 30, clock=ManualClock())
     s = TieredStore(host, [LowerTier(file, WritePolicy.THROUGH)], IOPool(2, 64))
@@ -308,14 +308,95 @@ def test_unexpected_error_while_promoting_releases_every_pin(tmp_path: Path) -> 
         assert _put(s, 0)
         file.put(meta_for(make_key(1)), payload_for(make_key(1)).data)
         s.flush()
-        fut = s.load([make_key(0), make_key(1)])
+        fut = s.load(s.lookup([make_key(0), make_key(1)]))
         with pytest.raises(RuntimeError, match="a bug in a tier"):
             fut.result(timeout=30)
-        drain_host(host)  # the host hit's pin was released, the staging slot aborted
+        drain_host(host)  # the host hit's hold was released, the staging slot aborted
     finally:
         s.close()
 
 
 def test_spec_bigger_than_a_slot_is_refused_at_once(through: TieredStore) -> None:
     with pytest.raises(ValueError, match="do not fit"):
-        through.load([make_key(0)], spec_for(PAYLOAD + 1))
+        through.load(through.lookup([make_key(0)]), spec_for(PAYLOAD + 1))
+
+
+class _CountingFile(FileTier):
+    """A file tier that counts how often it is asked whether it holds a chunk."""
+
+    asked = 0
+
+    def contains_prefix(self, keys: Any) -> int:
+        self.asked += 1
+        return super().contains_prefix(keys)
+
+
+def test_load_reads_from_the_tier_the_lookup_named_and_asks_none(tmp_path: Path) -> None:
+    host = HostTier(4 * PAYLOAD, PAYLOAD)
+    upper = _CountingFile(tmp_path / "f1", 1 << 30, clock=ManualClock())
+    lower = _CountingFile(tmp_path / "f2", 1 << 30, clock=ManualClock())
+    s = TieredStore(host, [LowerTier(upper, WritePolicy.THROUGH),
+                           LowerTier(lower, WritePolicy.THROUGH)], IOPool(2, 64))
+    try:
+        key = make_key(1)
+        lower.put(meta_for(key), payload_for(key).data)
+        found = s.lookup_indexed([key])
+        assert found.tiers == (2,)
+        held = s.load(found, SPEC).result(timeout=30)
+        try:
+            assert held.from_tier == [2] and held.slots[0][1] == meta_for(key)
+            np.testing.assert_array_equal(held.view(0), payload_for(key))
+        finally:
+            held.release()
+        assert upper.asked == lower.asked == 0, "the lookup already said where it is"
+        drain_host(host)
+    finally:
+        s.close()
+
+
+def test_host_entry_evicted_since_the_lookup_is_read_below(through: TieredStore) -> None:
+    assert _put(through, 0)
+    through.flush()  # written through: the file tier's index knows it too
+    found = through.lookup_indexed([make_key(0)])
+    assert found.tiers == (HOST,)
+    assert through.host.delete([make_key(0)]) == 1  # evicted between lookup and load
+    misses = through.host.metrics.counts.misses
+    held = through.load(found, SPEC).result(timeout=30)
+    try:
+        assert held.from_tier == [1]
+        np.testing.assert_array_equal(held.view(0), payload_for(make_key(0)))
+    finally:
+        held.release()
+    assert through.host.metrics.counts.misses == misses + 1
+    drain_host(through.host)
+
+
+def test_object_gone_since_the_lookup_is_a_counted_miss_that_ends_the_prefix(
+    through: TieredStore,
+) -> None:
+    file = _file_of(through)
+    keys = [make_key(i) for i in range(3)]
+    for key in keys:
+        file.put(meta_for(key), payload_for(key).data)
+    found = through.lookup_indexed(keys)
+    assert found.tiers == (1, 1, 1)
+    file.path_of(keys[1]).unlink()  # another node's collector removed it meanwhile
+    held = through.load(found, SPEC).result(timeout=30)
+    try:
+        assert held.from_tier == [1]
+    finally:
+        held.release()
+    assert file.metrics.counts.misses >= 1
+    assert not through.host.indexed(keys[1]) and not through.host.indexed(keys[2])
+    drain_host(through.host)
+
+
+def test_load_of_a_head_holds_only_that_many(through: TieredStore) -> None:
+    for i in range(3):
+        assert _put(through, i)
+    found = through.lookup_indexed([make_key(i) for i in range(3)])
+    held = through.load(found.head(2)).result(timeout=30)
+    assert len(held) == 2 and found.head(2).keys == found.keys[:2]
+    held.release()
+    through.flush()  # the write-through jobs hold their slots until written
+    drain_host(through.host)

@@ -34,9 +34,9 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 
+from kvtier.hostmem import mem_available
 from kvtier.ops import reference
 from kvtier.ops.native import BUILD_HINT, NativeStatus, native_status
-from kvtier.tiers.pool import mem_available
 
 log = logging.getLogger("kvtier.ops")
 

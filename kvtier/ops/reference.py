@@ -12,12 +12,23 @@ copy to be asynchronous.
 
 from __future__ import annotations
 
-import mmap
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvtier.hostmem import anonymous, register_pinned
+
+#: ``register_pinned`` lives in ``kvtier.hostmem``; importing it from here still works.
+__all__ = [
+    "BlockGeometry",
+    "alloc_pinned",
+    "check_block_args",
+    "chunk_nbytes",
+    "gather_blocks",
+    "register_pinned",
+    "scatter_blocks",
+]
 
 
 @dataclass(frozen=True)
@@ -135,37 +146,15 @@ def scatter_blocks(
 def alloc_pinned(nbytes: int) -> tuple[torch.Tensor, bool]:
     """Page-aligned, pre-touched host memory, page-locked when CUDA is available.
 
-    Python's ``mmap`` gives the alignment; ``cudaHostRegister`` (through torch's cudart
-    binding) pins it. The registration is dropped when the mapping is released.
+    The memory is ``kvtier.hostmem.anonymous`` (aligned, faulted in); ``register_pinned``
+    (``cudaHostRegister`` through torch's cudart binding) pins it. The registration is
+    dropped when the mapping is released.
     """
     if nbytes <= 0:
         raise RuntimeError(f"alloc_pinned: nbytes must be > 0, got {nbytes}")
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = anonymous(nbytes)
     tensor = torch.frombuffer(buf, dtype=torch.uint8)
-    tensor[:: mmap.PAGESIZE] = 0  # touch every page now, not on the copy path
     return tensor, register_pinned(tensor, owner=buf)
-
-
-def register_pinned(tensor: torch.Tensor, *, owner: object) -> bool:
-    """Page-lock existing host memory (e.g. a shared mapping) when CUDA is available.
-
-    Returns False (nothing done) without CUDA; raises with the size when registration
-    fails. The registration is dropped when ``owner`` (what keeps the memory) is freed.
-    """
-    if not torch.cuda.is_available():
-        return False
-    nbytes = tensor.numel() * tensor.element_size()
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    ptr = tensor.data_ptr()
-    flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-    err = int(cudart.cudaHostRegister(ptr, nbytes, flags))
-    if err != 0:
-        raise RuntimeError(
-            f"alloc_pinned: cannot pin {nbytes / 2**30:.1f} GiB of host memory: "
-            f"cudaHostRegister failed with error {err} (check `ulimit -l`)"
-        )
-    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
-    return True
 
 
 def chunk_nbytes(layers: Sequence[torch.Tensor], num_ids: int) -> int:

@@ -1,10 +1,18 @@
-"""``HostTier``: chunks in a host-memory pool (pinned when CUDA is present).
+"""``HostTier``: chunks in a host-memory pool (pinned, i.e. page-locked, when CUDA is
+present).
 
-Composes a ``SlotIndex`` (keys, states, recency) with a ``HostPool`` (bytes). Besides the
-copying ``Tier`` methods it offers zero-copy access for the connector and the store:
-``reserve``/``commit``/``abort`` to fill a slot in place, and ``acquire``/``release`` to
-read one in place. Host memory is trusted, so reads are not checksummed; persistent tiers
-checksum everything. A reader's ``ChunkSpec`` is still checked against the slot's meta.
+Composes a ``SlotIndex`` (keys, states, recency) with a ``HostPool`` (bytes): its own
+private pool (``HostTier(capacity, slot_bytes)``), or one it is handed
+(``HostTier.over(pool)``: a pool shared with another process). Besides the copying
+``Tier`` methods it offers zero-copy access for the store: ``reserve(key)`` /
+``commit(slot, meta)`` / ``abort`` to fill a slot in place, and ``hold`` / ``release`` to
+read one in place (a held slot is never evicted). Host memory is trusted, so reads are
+not checksummed; persistent tiers checksum everything. A reader's ``ChunkSpec`` is still
+checked against the slot's meta.
+
+Thread safety: every method may be called from any thread (the index is atomic, the pool
+immutable); the bytes of a slot are written only by whoever reserved it, before
+``commit``, and read only under a hold.
 """
 
 from __future__ import annotations
@@ -37,11 +45,24 @@ class HostTier:
         name: str = "host",
         check_memory: bool = True,
     ) -> None:
-        self._name = name
-        self.pool = HostPool(
+        pool = HostPool.allocate(
             capacity_bytes, slot_bytes, allocator=allocator, check_memory=check_memory
         )
-        self.index = SlotIndex(self.pool.num_slots, policy or LRUPolicy())
+        self._setup(pool, policy, name)
+
+    @classmethod
+    def over(
+        cls, pool: HostPool, *, policy: EvictionPolicy | None = None, name: str = "host"
+    ) -> HostTier:
+        """A host tier over an existing ``pool`` (e.g. ``HostPool.attach_shm``), empty."""
+        tier = cls.__new__(cls)
+        tier._setup(pool, policy, name)
+        return tier
+
+    def _setup(self, pool: HostPool, policy: EvictionPolicy | None, name: str) -> None:
+        self._name = name
+        self.pool = pool
+        self.index = SlotIndex(pool.num_slots, policy or LRUPolicy())
         self.metrics = TierMetrics(name)
 
     @property
@@ -53,31 +74,43 @@ class HostTier:
         return self.pool.slot_bytes
 
     # -- zero-copy access -------------------------------------------------------------
-    def reserve(self, meta: ChunkMeta) -> Reservation | None:
+    def check_fits(self, meta: ChunkMeta) -> None:
+        """``ValueError`` if ``meta``'s payload is larger than a slot."""
         if meta.payload_len > self.pool.slot_bytes:
             raise ValueError(
                 f"chunk of {meta.payload_len} bytes does not fit a {self.pool.slot_bytes}-byte "
                 "slot; the pool was sized for another chunk geometry"
             )
-        r = self.index.reserve(meta)
+
+    def reserve(self, key: ChunkKey) -> Reservation | None:
+        """A WRITING slot for ``key`` (see ``SlotIndex.reserve``); fill it, then ``commit``
+        or ``abort``."""
+        r = self.index.reserve(key)
         if r is not None and r.evicted:
             self.metrics.evicted(len(r.evicted))
         return r
 
-    def commit(self, slot: int, *, dirty: bool = False) -> None:
-        self.index.commit(slot, dirty=dirty)
+    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool = False) -> None:
+        """Publish a slot reserved for ``meta.key`` and filled with its bytes. A ``meta``
+        that does not fit a slot is refused: the slot is aborted and ``ValueError`` raised."""
+        try:
+            self.check_fits(meta)
+        except ValueError:
+            self.index.abort(slot)
+            raise
+        self.index.commit(slot, meta, dirty=dirty)
         self.metrics.used(len(self.index) * self.pool.slot_bytes)
 
     def abort(self, slot: int) -> None:
         self.index.abort(slot)
 
-    def acquire(
+    def hold(
         self, key: ChunkKey, expect: ChunkSpec | None = None
     ) -> tuple[int, ChunkMeta] | None:
-        """Pin ``key``'s slot for reading; ``None`` on a miss. With ``expect``, a slot whose
-        meta differs is not pinned: it is counted as a corruption and dropped unless
+        """Hold ``key``'s slot for reading; ``None`` on a miss. With ``expect``, a slot whose
+        meta differs is not held: it is counted as a corruption and dropped unless
         another reader holds it (dropping costs a recompute at worst)."""
-        got = self.index.acquire(key)
+        got = self.index.hold(key)
         if got is None or expect is None:
             return got
         why = expect.mismatch(got[1])
@@ -90,6 +123,7 @@ class HostTier:
         return None
 
     def release(self, slot: int) -> None:
+        """Give back one hold (``hold``, or ``take_dirty`` on the index)."""
         self.index.release(slot)
 
     def view(self, slot: int, nbytes: int | None = None) -> np.ndarray:
@@ -103,7 +137,7 @@ class HostTier:
         self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
     ) -> ChunkMeta | None:
         t0 = time.perf_counter()
-        got = self.acquire(key, expect)
+        got = self.hold(key, expect)
         if got is None:
             self.metrics.miss()
             return None
@@ -123,13 +157,14 @@ class HostTier:
     def put(
         self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
     ) -> PutStatus:
+        self.check_fits(meta)  # before anything is replaced
         if self.index.contains(meta.key):
             if mode is WriteMode.CREATE:
                 return PutStatus.EXISTS
             if not self.index.remove(meta.key):
-                return PutStatus.NO_SPACE  # pinned by a reader: cannot replace now
+                return PutStatus.NO_SPACE  # held by a reader: cannot replace now
         t0 = time.perf_counter()
-        r = self.reserve(meta)
+        r = self.reserve(meta.key)
         if r is None:
             return PutStatus.EXISTS if self.index.contains(meta.key) else PutStatus.NO_SPACE
         try:
@@ -138,7 +173,7 @@ class HostTier:
         except BaseException:
             self.abort(r.slot)
             raise
-        self.commit(r.slot)
+        self.commit(r.slot, meta)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
         return PutStatus.STORED

@@ -1,54 +1,71 @@
-"""``HostPool``: the data half of the host tier. One large allocation cut into slots.
+"""``HostPool``: the data half of the host tier. One host buffer cut into equal slots.
+
+Where the buffer comes from (the memory itself is ``kvtier.hostmem``'s business):
+
+* ``HostPool.allocate(capacity, slot_bytes)``: private memory of this process (the
+  ``allocator``: page-locked when CUDA is there, else anonymous ``mmap``).
+* ``HostPool.create_shm(path, slot_bytes, num_slots, pinned=...)``: a pool in a shared
+  file that other processes will map; its creator sizes it, faults it in and page-locks
+  it as ``pinned`` says (vLLM's worker).
+* ``HostPool.attach_shm(path, slot_bytes, num_slots)``: the same pool, mapped by another
+  process (vLLM's scheduler); the name is unlinked once mapped.
+* ``HostPool(buf, slot_bytes, num_slots, pinned=...)``: over a buffer the caller holds.
 
 Invariants:
 
-* The pool is allocated and touched once, at construction. If the memory is not there,
-  construction fails with the numbers and the setting to change; it never fails later.
+* The memory is had, faulted in and (as asked) page-locked at construction. If it is not
+  there, construction fails with the numbers and the setting to change (``TierError``);
+  it never fails later.
 * Slot ``i`` is bytes ``[i * slot_bytes, (i + 1) * slot_bytes)``; views never overlap.
+* Two pools over one shared file with the same ``slot_bytes`` and ``num_slots`` agree on
+  every slot's bytes; ``attach_shm`` refuses a file of another size.
 * The pool knows nothing about keys. ``SlotIndex`` decides who may use a slot.
+
+Thread safety: nothing changes after construction; any thread may call ``view``. Who may
+touch a slot's bytes, and when, is decided by ``SlotIndex`` (and, across processes, by
+the scheduler's copy orders to the worker).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
+from kvtier.hostmem import (
+    PINNED_UNAVAILABLE,
+    Allocator,
+    HostMemoryError,
+    attach_shared,
+    create_shared,
+    mem_available,
+    mmap_allocator,
+    register_pinned,
+    remove_shared,
+)
 from kvtier.sizes import format_size
 from kvtier.tiers.base import TierError
 
+__all__ = [  # the memory names are re-exported for callers of the old paths
+    "CAPACITY",
+    "PINNED_UNAVAILABLE",
+    "Allocator",
+    "HostPool",
+    "PinMode",
+    "default_allocator",
+    "mem_available",
+    "mmap_allocator",
+]
+
 log = logging.getLogger("kvtier.host")
 
-#: Why ``pinned: yes`` failed: raised at start rather than silently pageable.
-PINNED_UNAVAILABLE = (
-    "tiers[0].host.pinned: yes, but the host pool cannot be page-locked here (no CUDA "
-    "device, or the native extension is missing); use pinned: auto (page-locked when "
-    "possible) or no"
-)
+#: ``tiers[0].host.pinned``: page-lock the pool always (else fail), when possible, never.
+PinMode = Literal["auto", "yes", "no"]
 
-#: ``allocator(nbytes) -> (buffer, is_pinned)``. The buffer must be page-aligned.
-Allocator = Callable[[int], tuple[Any, bool]]
-
-
-def mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def mmap_allocator(nbytes: int) -> tuple[Any, bool]:
-    """Anonymous, page-aligned, pre-faulted memory. Not pinned."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, nbytes, flags=flags), False
+CAPACITY = "tiers[0].host.capacity"
 
 
 def default_allocator() -> Allocator:
@@ -66,15 +83,24 @@ def default_allocator() -> Allocator:
 
 
 class HostPool:
-    def __init__(
-        self,
-        capacity_bytes: int,
-        slot_bytes: int,
-        *,
-        allocator: Allocator | None = None,
-        setting: str = "tiers[0].host.capacity",
-        check_memory: bool = True,
-    ) -> None:
+    def __init__(self, buf: Any, slot_bytes: int, num_slots: int, *, pinned: bool) -> None:
+        """Slots over ``buf`` (page-aligned, at least ``num_slots * slot_bytes`` bytes),
+        which the pool keeps alive. Neither allocates nor touches memory."""
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise TierError(
+                f"host pool: slot size and count must be > 0, got {slot_bytes} x {num_slots}"
+            )
+        nbytes = num_slots * slot_bytes
+        self._buf = buf  # keeps the memory alive
+        self._arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.pinned = pinned
+
+    # -- constructors ----------------------------------------------------------------------
+    @staticmethod
+    def slots_for(capacity_bytes: int, slot_bytes: int, *, setting: str = CAPACITY) -> int:
+        """How many ``slot_bytes`` slots ``capacity_bytes`` hold; ``TierError`` if none."""
         if slot_bytes <= 0:
             raise TierError(f"host pool: slot size must be > 0, got {slot_bytes}")
         num_slots = capacity_bytes // slot_bytes
@@ -83,6 +109,20 @@ class HostPool:
                 f"{setting}: {format_size(capacity_bytes)} holds no chunk of "
                 f"{format_size(slot_bytes)}; raise the capacity or lower chunk_tokens"
             )
+        return num_slots
+
+    @classmethod
+    def allocate(
+        cls,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        allocator: Allocator | None = None,
+        setting: str = CAPACITY,
+        check_memory: bool = True,
+    ) -> HostPool:
+        """As many slots as ``capacity_bytes`` hold, in memory of this process."""
+        num_slots = cls.slots_for(capacity_bytes, slot_bytes, setting=setting)
         nbytes = num_slots * slot_bytes
         avail = mem_available() if check_memory else None
         if avail is not None and nbytes > avail:
@@ -91,24 +131,75 @@ class HostPool:
                 f"{format_size(avail)} of memory is available; lower the capacity"
             )
         try:
-            buf, self.pinned = (allocator or default_allocator())(nbytes)
-        except (OSError, MemoryError, RuntimeError) as e:
+            buf, pinned = (allocator or default_allocator())(nbytes)
+        except (OSError, MemoryError, RuntimeError, HostMemoryError) as e:
             raise TierError(
                 f"{setting}: allocating a {format_size(nbytes)} host pool failed ({e}); "
                 "lower the capacity"
             ) from e
-        self._buf = buf  # keeps the allocation alive
-        self._arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-        if not self.pinned and check_memory:
-            self._arr[:: mmap.PAGESIZE] = 0  # pre-fault every page now, not on first use
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
+        pool = cls(buf, slot_bytes, num_slots, pinned=pinned)
+        if not pinned and check_memory:
+            pool._arr[:: mmap.PAGESIZE] = 0  # pre-fault every page now, not on first use
+        pool._log("private")
+        return pool
+
+    @classmethod
+    def create_shm(
+        cls,
+        path: Path,
+        slot_bytes: int,
+        num_slots: int,
+        *,
+        pinned: PinMode = "auto",
+        setting: str = CAPACITY,
+    ) -> HostPool:
+        """Create the shared pool file ``path`` and map it: sized, faulted in and, unless
+        ``pinned`` is ``no``, page-locked for CUDA in this process. ``pinned: yes`` that
+        cannot be honoured fails (``PINNED_UNAVAILABLE``). On failure the file is removed.
+        The caller removes it (``kvtier.hostmem.remove_shared``) when done."""
+        nbytes = num_slots * slot_bytes
+        try:
+            mm = create_shared(path, nbytes, setting=setting)
+        except HostMemoryError as e:
+            raise TierError(str(e)) from e
+        locked = False
+        try:
+            if pinned != "no":
+                locked = register_pinned(mm, owner=mm)  # H2D/D2H DMA on CUDA
+            if pinned == "yes" and not locked:
+                raise TierError(PINNED_UNAVAILABLE)
+        except RuntimeError as e:
+            remove_shared(path)
+            raise TierError(f"tiers[0].host.pinned: {e}; use pinned: no") from e
+        except BaseException:
+            remove_shared(path)
+            raise
+        pool = cls(mm, slot_bytes, num_slots, pinned=locked)
+        pool._log(f"shared {path}")
+        return pool
+
+    @classmethod
+    def attach_shm(cls, path: Path, slot_bytes: int, num_slots: int) -> HostPool:
+        """Map the shared pool another process created with ``create_shm`` and the same
+        ``slot_bytes`` and ``num_slots``; its name is unlinked once mapped.
+
+        ``FileNotFoundError`` if it does not exist (the caller knows who should have
+        created it); ``TierError`` naming both sizes if it has another size. ``pinned``
+        is False: page-locking is per process, and this one did none."""
+        try:
+            mm = attach_shared(path, num_slots * slot_bytes)
+        except HostMemoryError as e:
+            raise TierError(f"kvtier: {e}") from e
+        return cls(mm, slot_bytes, num_slots, pinned=False)
+
+    def _log(self, kind: str) -> None:
         log.info(
-            "host pool: %d slots x %s = %s (%s)",
-            num_slots, format_size(slot_bytes), format_size(nbytes),
+            "host pool (%s): %d slots x %s = %s (%s)",
+            kind, self.num_slots, format_size(self.slot_bytes), format_size(self.nbytes),
             "pinned" if self.pinned else "pageable",
         )
 
+    # -- data ------------------------------------------------------------------------------
     def view(self, slot: int, nbytes: int | None = None) -> np.ndarray:
         """The first ``nbytes`` (default: all) bytes of ``slot`` as a writable uint8 array."""
         if not 0 <= slot < self.num_slots:
@@ -118,6 +209,11 @@ class HostPool:
             raise ValueError(f"{n} bytes do not fit a slot of {self.slot_bytes}")
         start = slot * self.slot_bytes
         return self._arr[start : start + n]
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole pool as one writable uint8 array (``torch.from_numpy`` shares it)."""
+        return self._arr
 
     @property
     def nbytes(self) -> int:

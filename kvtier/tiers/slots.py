@@ -2,17 +2,26 @@
 
 Slot life cycle (a bad transition raises ``SlotStateError`` naming the current state)::
 
-    FREE --reserve--> WRITING --commit--> READY --evict/remove--> FREE
-                         \\--abort--> FREE
+    FREE --reserve(key)--> WRITING --commit(meta)--> READY --evict/remove--> FREE
+                              \\--abort--> FREE
+
+A slot is reserved for a *key*: what the chunk is (its ``ChunkMeta``) is known only once
+its bytes are, and is given at ``commit`` (a promotion learns it from the tier it reads).
 
 Invariants:
 
-* A key maps to at most one slot, and only READY slots are visible to lookups.
-* A slot with ``readers > 0`` (being read, or being spilled to a lower tier) or in state
-  WRITING is never evicted or removed.
+* A key maps to at most one slot (READY or WRITING), and only READY slots are visible to
+  lookups (``contains``, ``hold``, ``entries``, ``take_dirty``).
+* A WRITING slot has a key and no meta; a READY slot has a meta whose key is the key it
+  was reserved for (``commit`` refuses another). Nothing reads the meta of a slot that is
+  not READY.
+* A *held* slot (``holds > 0``: being read, or being spilled to a lower tier; ``hold``
+  and ``take_dirty`` take holds, ``release`` gives one back) or a WRITING one is never
+  evicted or removed.
 * A ``dirty`` slot holds data not yet persisted to the write-back tiers; it is never
   evicted, only spilled first (``take_dirty``) and then marked clean.
-* All methods are atomic under one lock; none does I/O.
+* All methods are atomic under one lock and none does I/O, so any thread may call any
+  of them; the lock is never held across a caller's work.
 """
 
 from __future__ import annotations
@@ -40,9 +49,14 @@ class SlotStateError(RuntimeError):
 @dataclass
 class _Slot:
     state: SlotState = SlotState.FREE
-    meta: ChunkMeta | None = None
-    readers: int = 0
+    key: ChunkKey | None = None  # set unless FREE
+    meta: ChunkMeta | None = None  # set only when READY
+    holds: int = 0
     dirty: bool = False
+
+    def ready_meta(self) -> ChunkMeta:
+        assert self.state is SlotState.READY and self.meta is not None
+        return self.meta
 
 
 @dataclass(frozen=True)
@@ -75,78 +89,76 @@ class SlotIndex:
 
     def _evictable(self, key: ChunkKey) -> bool:
         s = self._slots[self._by_key[key]]
-        return s.readers == 0 and not s.dirty
+        return s.holds == 0 and not s.dirty
 
-    def reserve(self, meta: ChunkMeta) -> Reservation | None:
-        """A WRITING slot for ``meta.key``, evicting one clean LRU chunk if needed.
+    def reserve(self, key: ChunkKey) -> Reservation | None:
+        """A WRITING slot for ``key``, evicting one clean, unheld LRU chunk if needed.
 
         Returns ``None`` when the key is already present or being written, or when no
-        slot can be freed (everything pinned or dirty).
+        slot can be freed (everything held or dirty).
         """
         with self._lock:
-            if meta.key in self._by_key or meta.key in self._pending:
+            if key in self._by_key or key in self._pending:
                 return None
             evicted: tuple[ChunkKey, ...] = ()
             if not self._free:
                 victims = self._policy.evict(1, self._evictable)
                 if victims is None:
                     return None
-                for key in victims:
-                    slot = self._by_key.pop(key)
+                for victim in victims:
+                    slot = self._by_key.pop(victim)
                     self._slots[slot] = _Slot()
                     self._free.append(slot)
                 evicted = tuple(victims)
             slot = self._free.pop()
             s = self._expect(slot, SlotState.FREE)
-            s.state, s.meta = SlotState.WRITING, meta
-            self._pending.add(meta.key)
+            s.state, s.key = SlotState.WRITING, key
+            self._pending.add(key)
             return Reservation(slot, evicted)
 
-    def commit(self, slot: int, *, dirty: bool) -> None:
+    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool) -> None:
+        """Publish a WRITING slot as ``meta``'s chunk. ``SlotStateError`` (nothing changed)
+        if the slot is not WRITING or was reserved for another key."""
         with self._lock:
             s = self._expect(slot, SlotState.WRITING)
-            assert s.meta is not None
-            self._pending.discard(s.meta.key)
-            s.state, s.dirty = SlotState.READY, dirty
+            if s.key != meta.key:
+                raise SlotStateError(
+                    f"slot {slot} was reserved for another key than {meta.key.hex()}"
+                )
+            self._pending.discard(meta.key)
+            s.state, s.meta, s.dirty = SlotState.READY, meta, dirty
             self._dirty += dirty
-            self._by_key[s.meta.key] = slot
-            self._policy.insert(s.meta.key)
-
-    def set_meta(self, slot: int, meta: ChunkMeta) -> None:
-        """Replace a WRITING slot's meta once its bytes are known (same key only)."""
-        with self._lock:
-            s = self._expect(slot, SlotState.WRITING)
-            assert s.meta is not None
-            if s.meta.key != meta.key:
-                raise SlotStateError(f"slot {slot} was reserved for another key")
-            s.meta = meta
+            self._by_key[meta.key] = slot
+            self._policy.insert(meta.key)
 
     def abort(self, slot: int) -> None:
+        """Give back a WRITING slot; nothing was published."""
         with self._lock:
             s = self._expect(slot, SlotState.WRITING)
-            assert s.meta is not None
-            self._pending.discard(s.meta.key)
+            assert s.key is not None
+            self._pending.discard(s.key)
             self._slots[slot] = _Slot()
             self._free.append(slot)
 
-    def acquire(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
-        """Pin ``key``'s slot for reading and refresh its recency; ``None`` on a miss."""
+    def hold(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
+        """Hold ``key``'s slot for reading and refresh its recency; ``None`` on a miss.
+        Each hold is given back with one ``release``."""
         with self._lock:
             slot = self._by_key.get(key)
             if slot is None:
                 return None
             s = self._expect(slot, SlotState.READY)
-            s.readers += 1
+            s.holds += 1
             self._policy.touch(key)
-            assert s.meta is not None
-            return slot, s.meta
+            return slot, s.ready_meta()
 
     def release(self, slot: int) -> None:
+        """Give back one hold of ``slot`` (from ``hold`` or ``take_dirty``)."""
         with self._lock:
             s = self._expect(slot, SlotState.READY)
-            if s.readers <= 0:
-                raise SlotStateError(f"slot {slot} released more times than acquired")
-            s.readers -= 1
+            if s.holds <= 0:
+                raise SlotStateError(f"slot {slot} released more times than held")
+            s.holds -= 1
 
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
@@ -166,8 +178,9 @@ class SlotIndex:
         hottest_first: bool = False,
         skip: Collection[ChunkKey] = (),
     ) -> list[tuple[int, ChunkMeta]]:
-        """Pin up to ``max_n`` dirty, unpinned chunks for writing below: the coldest (a
-        spill), or the most recently used (a shutdown flush). Keys in ``skip`` are left."""
+        """Hold up to ``max_n`` dirty, unheld chunks for writing below: the coldest (a
+        spill), or the most recently used (a shutdown flush). Keys in ``skip`` are left.
+        Each is given back with one ``release``."""
         out: list[tuple[int, ChunkMeta]] = []
         with self._lock:
             order = self._policy.coldest()
@@ -176,10 +189,9 @@ class SlotIndex:
                     break
                 slot = self._by_key[key]
                 s = self._slots[slot]
-                if s.dirty and s.readers == 0 and key not in skip:
-                    s.readers += 1
-                    assert s.meta is not None
-                    out.append((slot, s.meta))
+                if s.dirty and s.holds == 0 and key not in skip:
+                    s.holds += 1
+                    out.append((slot, s.ready_meta()))
         return out
 
     def dirty_keys(self) -> set[ChunkKey]:
@@ -190,7 +202,7 @@ class SlotIndex:
         """The slot's chunk is stored below. With ``key``: only if the slot still holds it."""
         with self._lock:
             s = self._expect(slot, SlotState.READY)
-            if key is not None and (s.meta is None or s.meta.key != key):
+            if key is not None and s.ready_meta().key != key:
                 return
             self._dirty -= s.dirty
             s.dirty = False
@@ -201,10 +213,10 @@ class SlotIndex:
             return len(self._slots) - self._dirty - len(self._pending)
 
     def remove(self, key: ChunkKey) -> bool:
-        """Drop ``key`` if present and unpinned. Returns whether it was removed."""
+        """Drop ``key`` if present and unheld. Returns whether it was removed."""
         with self._lock:
             slot = self._by_key.get(key)
-            if slot is None or self._slots[slot].readers:
+            if slot is None or self._slots[slot].holds:
                 return False
             del self._by_key[key]
             self._policy.remove(key)
@@ -215,17 +227,12 @@ class SlotIndex:
 
     def entries(self) -> list[tuple[int, ChunkMeta]]:
         with self._lock:
-            out = []
-            for slot in self._by_key.values():
-                meta = self._slots[slot].meta
-                assert meta is not None
-                out.append((slot, meta))
-            return out
+            return [(slot, self._slots[slot].ready_meta()) for slot in self._by_key.values()]
 
-    def num_readers(self) -> int:
-        """Reads in progress over all slots (acquired and not yet released)."""
+    def num_held(self) -> int:
+        """Holds outstanding over all slots (taken and not yet released)."""
         with self._lock:
-            return sum(s.readers for s in self._slots)
+            return sum(s.holds for s in self._slots)
 
     def __len__(self) -> int:
         with self._lock:

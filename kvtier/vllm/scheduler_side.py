@@ -6,18 +6,19 @@ Runs in vLLM's engine-core process, next to the scheduler. It owns the ``TieredS
 Request life cycle:
 
 1. ``get_num_new_matched_tokens``: hash the request's tokens into chunk keys, look up
-   the stored prefix beyond vLLM's own hit, and start ``store.load`` (lower-tier hits
-   are promoted into host slots on IO threads). Until that finishes it answers ``None``
-   ("ask again"), so the scheduler loop never waits on storage. When it is done the
-   chunks are pinned and it answers the exact token count (or 0 below the threshold).
-2. ``update_state_after_alloc``: turn the pinned chunks into per-chunk ``CopyOp``s onto
+   the stored prefix beyond vLLM's own hit, and start ``store.load`` on that lookup
+   (lower-tier hits are promoted into host slots on IO threads, from the tier the lookup
+   named). Until that finishes it answers ``None`` ("ask again"), so the scheduler loop
+   never waits on storage. When it is done the chunks are *held* (never evicted while
+   held) and it answers the exact token count (or 0 below the threshold).
+2. ``update_state_after_alloc``: turn the held chunks into per-chunk ``CopyOp``s onto
    the request's new blocks; they go out with this step's metadata and the worker
    copies them before the forward pass.
-3. The worker reports the step done (worker metadata); the pins are released.
+3. The worker reports the step done (worker metadata); the holds are released.
 4. ``request_finished`` (the eviction hook): the chunks of prompt *and* output not yet
-   stored get host slots reserved; the request's blocks stay allocated (delay-free)
-   until the worker reports the copies done (``finished_sending``), then the slots are
-   committed and cascade to the lower tiers.
+   stored get host slots reserved by key; the request's blocks stay allocated
+   (delay-free) until the worker reports the copies done (``finished_sending``), then
+   the slots are committed with the chunks' metas and cascade to the lower tiers.
 
 P/D roles (``role: prefill | decode``): the KV moves through a write-through shared tier.
 A decode request's ``kv_transfer_params["kvtier"]["expect"]`` names what the prefill node
@@ -27,7 +28,11 @@ rest). An announcement whose last key does not match this prompt's own chunk key
 ignored: keys are content hashes, so a mismatch means a different prompt, never a wait.
 
 Invariants: a chunk is never saved twice (lookup before reserve); a load covers only
-chunks whose bytes are pinned in host memory; whatever fails, vLLM recomputes.
+chunks whose bytes are held in host memory; whatever fails, vLLM recomputes.
+
+Threads: every hook runs on vLLM's scheduler thread and does no I/O; store futures
+complete on IO threads and are only polled here (``_release_when_done`` may run on an IO
+thread: releasing a ``Held`` is thread-safe).
 """
 
 from __future__ import annotations
@@ -47,12 +52,13 @@ from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
-from kvtier.store import Pinned, TieredStore, WritePolicy
+from kvtier.store import Held, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.vllm.shm import attach_pool
+from kvtier.vllm.shm import attach_host_pool
 from kvtier.vllm.threshold import StepTimer, threshold_policy
 
 log = logging.getLogger("kvtier.vllm")
@@ -68,8 +74,8 @@ def _request_params(request: Any) -> dict[str, Any]:
     return mine if isinstance(mine, dict) else {}
 
 
-def _release_when_done(fut: Future[Pinned]) -> None:
-    """Release a staging that was abandoned. A failed one holds no pins (``store.load``
+def _release_when_done(fut: Future[Held]) -> None:
+    """Release a staging that was abandoned. A failed one holds no slots (``store.load``
     releases them before it fails)."""
     if not fut.cancelled() and fut.exception() is None:
         fut.result().release()
@@ -81,8 +87,8 @@ class _Lookup:
 
     keys: list[ChunkKey]
     first_chunk: int = 0
-    future: Future[Pinned] | None = None
-    pinned: Pinned | None = None
+    future: Future[Held] | None = None
+    held: Held | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
 
@@ -140,9 +146,9 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._saves: dict[str, _Save] = {}
         self._loads: list[CopyOp] = []
-        self._load_pins: list[Pinned] = []
+        self._load_holds: list[Held] = []
         self._to_save: list[CopyOp] = []
-        self._pins_by_step: dict[int, list[Pinned]] = {}
+        self._holds_by_step: dict[int, list[Held]] = {}
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
@@ -164,12 +170,9 @@ class SchedulerSide:
                 self.flusher.start()
 
     def _build_store(self, pool_path: Any) -> TieredStore:
-        host = HostTier(  # the worker allocated and touched this memory
-            self.cfg.host.capacity,
-            self.slot_bytes,
-            allocator=lambda n: (attach_pool(pool_path, n), False),
-            check_memory=False,
-        )
+        """The store over the worker's pool (it created, touched and page-locked it)."""
+        num_slots = HostPool.slots_for(self.cfg.host.capacity, self.slot_bytes)
+        host = HostTier.over(attach_host_pool(pool_path, self.slot_bytes, num_slots))
         return build_store(self.cfg, self.slot_bytes, host=host)
 
     # -- helpers -------------------------------------------------------------------------
@@ -211,8 +214,8 @@ class SchedulerSide:
         lk = self._lookups.pop(req_id, None)
         if lk is None:
             return
-        if lk.pinned is not None:
-            lk.pinned.release()
+        if lk.held is not None:
+            lk.held.release()
         if lk.future is not None:
             lk.future.add_done_callback(_release_when_done)
 
@@ -223,7 +226,7 @@ class SchedulerSide:
         rid = request.request_id
         limit = ((request.num_tokens - 1) // self.bs) * self.bs  # vLLM must compute >= 1 token
         lk = self._lookups.get(rid)
-        if lk is not None and lk.pinned is None and lk.future is None:
+        if lk is not None and lk.held is None and lk.future is None:
             lk = None
         if lk is not None and num_computed < lk.first_chunk * self.ct:
             self._forget(rid)  # vLLM's own hit shrank below what we started from
@@ -242,9 +245,11 @@ class SchedulerSide:
             wanted = keys[: -(-limit // self.ct)]
             hit = self.store.lookup_indexed(wanted[first:])
             announced = self._announced(request, keys, len(wanted))
-            if self._probing(rid, wanted[first + hit.hits :], announced > first + hit.hits):
+            beyond = wanted[first + hit.hits :]
+            if self._probing(rid, beyond, announced > first + hit.hits):
                 return None, False
-            hit = self.store.lookup_indexed(wanted[first:])  # what the probe found
+            if beyond:
+                hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
             if announced > first + hit.hits and self._keep_waiting(rid):
                 return None, False
             self._probes.pop(rid, None)
@@ -261,23 +266,23 @@ class SchedulerSide:
             if d.chunks == 0:
                 return 0, False
             lk = _Lookup(keys, first, t0=t0)
-            lk.future = self.store.load(list(hit.keys[: d.chunks]), self._spec(ns))
+            lk.future = self.store.load(hit.head(d.chunks), self._spec(ns))
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
                 return None, False
             fut, lk.future = lk.future, None
             try:
-                lk.pinned = fut.result()
+                lk.held = fut.result()
             except Exception:
                 log.exception("kvtier: staging KV for %s failed; recomputing", rid)
                 self._lookups.pop(rid, None)
                 return 0, False
-        assert lk.pinned is not None
-        tokens = min((lk.first_chunk + len(lk.pinned)) * self.ct, limit)
+        assert lk.held is not None
+        tokens = min((lk.first_chunk + len(lk.held)) * self.ct, limit)
         ext = tokens - num_computed
         # A fixed threshold applies to what was staged (a failed read shrinks it); under
-        # ``auto`` the reads are paid for, so what is pinned is claimed.
+        # ``auto`` the reads are paid for, so what is held is claimed.
         if ext < (self.policy.fixed_tokens or 1):
             self._forget(rid)
             return 0, False
@@ -346,7 +351,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         rid = request.request_id
         lk = self._lookups.get(rid)
-        if lk is None or lk.pinned is None:
+        if lk is None or lk.held is None:
             return
         if num_external <= 0:
             self._forget(rid)
@@ -359,11 +364,11 @@ class SchedulerSide:
         for c in range(lo_blk // self.bpc, -(-hi_blk // self.bpc)):
             lo, hi = max(lo_blk, c * self.bpc), min(hi_blk, (c + 1) * self.bpc)
             idx = c - lk.first_chunk
-            slot = lk.pinned.slots[idx][0]
+            slot = lk.held.slots[idx][0]
             self._loads.append(CopyOp(rid, slot, list(block_ids[lo:hi]), lo - c * self.bpc))
-            tier = self.store.tiers[lk.pinned.from_tier[idx]].name
+            tier = self.store.tiers[lk.held.from_tier[idx]].name
             by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
-        self._load_pins.append(lk.pinned)
+        self._load_holds.append(lk.held)
         record_restore(by_tier)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
         self._restored[rid] = (by_tier, staged_ms)
@@ -450,14 +455,13 @@ class SchedulerSide:
         room = self.store.io.free_store_slots() if shared else n_chunks
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
-            meta = self._meta(ns, keys, c)
-            slot = self.store.reserve(meta)
+            slot = self.store.reserve(keys[c])
             if slot is None:
                 if self.store.holds(keys[c]):
                     continue  # stored meanwhile by another request
                 record_drop("host_full")
                 break
-            saves.append((slot, meta))
+            saves.append((slot, self._meta(ns, keys, c)))
             self._to_save.append(
                 CopyOp(rid, slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
             )
@@ -476,9 +480,9 @@ class SchedulerSide:
         if self.step_timer is not None and scheduler_output is not None:
             self.step_timer.built(scheduler_output, self._loads)
         meta = KVTierMetadata(self._step, self._loads, self._to_save)
-        if self._load_pins:
-            self._pins_by_step[self._step] = self._load_pins
-        self._loads, self._to_save, self._load_pins = [], [], []
+        if self._load_holds:
+            self._holds_by_step[self._step] = self._load_holds
+        self._loads, self._to_save, self._load_holds = [], [], []
         return meta
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
@@ -487,8 +491,8 @@ class SchedulerSide:
         failed: set[str] = set()
         if isinstance(worker_meta, KVTierWorkerMetadata):
             for step in worker_meta.loaded_steps:
-                for pinned in self._pins_by_step.pop(step, []):
-                    pinned.release()
+                for held in self._holds_by_step.pop(step, []):
+                    held.release()
             failed = set(worker_meta.failed_saves)
         for rid in finished_sending or ():
             save = self._saves.pop(rid, None)

@@ -3,7 +3,10 @@
 vLLM builds the worker's KV caches before it constructs the scheduler, so the worker
 creates the pool (it owns the bytes it copies) and the scheduler attaches to it by name
 (it owns the index and the lower-tier I/O). The name is derived from the engine id and
-TP rank, which both processes read from the same ``VllmConfig``.
+TP rank, which both processes read from the same ``VllmConfig``. Both sides hold it as
+a ``HostPool`` of the same ``slot_bytes`` and ``num_slots`` (``HostPool.slots_for`` of the
+same capacity): the worker's from ``HostPool.create_shm``, the scheduler's from
+``attach_host_pool``. The memory itself is ``kvtier.hostmem``'s.
 
 Invariants:
 
@@ -11,18 +14,23 @@ Invariants:
 * The attacher checks the size it expects against the file; a mismatch (two processes
   that disagree on the geometry) is an error, never a silent misread.
 * The attacher unlinks the name once mapped, so nothing leaks in ``/dev/shm`` after a
-  crash; the creator unlinks too (ignoring ENOENT) at shutdown.
+  crash; the creator unlinks too (``remove_pool``, ignoring ENOENT) at shutdown.
+
+Thread safety: stateless; call from the thread that builds or closes a side.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 from pathlib import Path
 
-from kvtier.sizes import format_size
+from kvtier.hostmem import HostMemoryError, create_shared
+from kvtier.hostmem import remove_shared as remove_pool
 from kvtier.tiers.base import TierError
+from kvtier.tiers.pool import CAPACITY, HostPool
+
+__all__ = ["SHM_DIR", "attach_host_pool", "create_pool", "pool_path", "remove_pool"]
 
 SHM_DIR = Path(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"))
 
@@ -33,48 +41,22 @@ def pool_path(engine_id: str, tp_rank: int) -> Path:
 
 
 def create_pool(path: Path, nbytes: int) -> mmap.mmap:
-    """Create, size and pre-fault a shared pool file of ``nbytes``."""
-    st = os.statvfs(path.parent)
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise TierError(
-            f"tiers[0].host.capacity: a {format_size(nbytes)} shared host pool does not fit "
-            f"in {path.parent} ({format_size(free)} free); lower the capacity or enlarge "
-            f"{path.parent}"
-        )
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Create, size and pre-fault a shared pool file of ``nbytes`` (a bare mapping; the
+    worker's ``HostPool.create_shm`` does this and the page-locking in one call)."""
     try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    return mm
+        return create_shared(path, nbytes, setting=CAPACITY)
+    except HostMemoryError as e:
+        raise TierError(str(e)) from e
 
 
-def attach_pool(path: Path, nbytes: int) -> mmap.mmap:
-    """Map an existing pool of exactly ``nbytes`` and unlink its name."""
+def attach_host_pool(path: Path, slot_bytes: int, num_slots: int) -> HostPool:
+    """The scheduler's view of the worker's pool (``HostPool.attach_shm``), with the
+    error a missing pool means here: the worker side did not start."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        return HostPool.attach_shm(path, slot_bytes, num_slots)
     except FileNotFoundError:
         raise TierError(
             f"kvtier: the worker's host pool {path} does not exist; the worker side of the "
             "connector did not start (is kv_role kv_both and the same kv_transfer_config "
             "used by every process?)"
         ) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise TierError(
-                f"kvtier: host pool {path} is {size} bytes, the scheduler expects {nbytes}; "
-                "the worker and scheduler disagree on the KV geometry"
-            )
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    remove_pool(path)
-    return mm
-
-
-def remove_pool(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()

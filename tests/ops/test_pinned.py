@@ -34,3 +34,15 @@ def test_non_positive_size_is_rejected(cpu_backend: CopyBackend) -> None:
 def test_module_level_alloc_unpacks_as_a_pair() -> None:
     tensor, pinned = alloc_pinned(1 << 16)
     assert tensor.numel() == 1 << 16 and isinstance(pinned, bool)
+
+
+def test_register_pinned_takes_a_tensor_or_a_buffer_and_is_honest() -> None:
+    """One page-locking path for the ops' buffers and the shared host pool
+    (``kvtier.hostmem``): True only where CUDA registered the memory."""
+    from kvtier.hostmem import anonymous, register_pinned
+
+    buf = anonymous(2 * mmap.PAGESIZE)
+    assert register_pinned(buf, owner=buf) == torch.cuda.is_available()
+    mem = anonymous(mmap.PAGESIZE)
+    tensor = torch.frombuffer(mem, dtype=torch.uint8)
+    assert register_pinned(tensor, owner=mem) == torch.cuda.is_available()

@@ -71,11 +71,11 @@ def raw_object(wire: Any, payload: bytes = b"", *, version: int = OBJECT_VERSION
 
 
 def drain_host(host: HostTier) -> None:
-    """Remove every chunk from ``host``, asserting that no slot is still pinned (readers
+    """Remove every chunk from ``host``, asserting that no slot is still held (holds
     back at zero), being written or dirty: what a leak-free load leaves behind."""
     assert host.index.clean_or_free() == host.index.num_slots, "a slot is WRITING or dirty"
     for _, meta in host.index.entries():
-        assert host.index.remove(meta.key), f"chunk {meta.key.hex()} is still pinned"
+        assert host.index.remove(meta.key), f"chunk {meta.key.hex()} is still held"
     assert len(host.index) == 0
 
 

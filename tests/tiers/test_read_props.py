@@ -124,7 +124,7 @@ def store(tmp_path: Path) -> Iterator[TieredStore]:
 
 @FILE
 @given(obj=DAMAGED)
-def test_store_load_pins_verified_chunks_and_leaks_no_pin(store: TieredStore, obj: bytes) -> None:
+def test_store_load_holds_verified_chunks_and_leaks_no_hold(store: TieredStore, obj: bytes) -> None:
     file = store.lower[0].tier
     assert isinstance(file, FileTier)
     first, last = make_key(8), make_key(10)  # a host hit before KEY, a good object after
@@ -133,15 +133,15 @@ def test_store_load_pins_verified_chunks_and_leaks_no_pin(store: TieredStore, ob
     file.put(meta_for(last), payload_for(last).data)
     _file_writer(file)(KEY, obj)
     corrupt = file.metrics.counts.corruptions
-    pinned = store.load(keys, SPEC).result(timeout=30)
+    held = store.load(store.lookup(keys), SPEC).result(timeout=30)
     try:
-        assert len(pinned) in (1, 3)  # KEY is served, or ends the prefix
-        for j in range(len(pinned)):
-            SPEC.check(pinned.slots[j][1])
-            np.testing.assert_array_equal(pinned.view(j), payload_for(keys[j]))
+        assert len(held) in (1, 3)  # KEY is served, or ends the prefix
+        for j in range(len(held)):
+            SPEC.check(held.slots[j][1])
+            np.testing.assert_array_equal(held.view(j), payload_for(keys[j]))
     finally:
-        pinned.release()
-    if len(pinned) == 1:
+        held.release()
+    if len(held) == 1:
         assert file.metrics.counts.corruptions == corrupt + 1
         assert not file.path_of(KEY).exists()
     store.flush()

@@ -79,7 +79,7 @@ def _one_request(sched: SchedulerSide, i: int) -> None:
 
 def _state_sizes(sched: SchedulerSide) -> dict[str, int]:
     return {name: len(getattr(sched, name)) for name in (
-        "_lookups", "_saves", "_loads", "_load_pins", "_to_save", "_pins_by_step",
+        "_lookups", "_saves", "_loads", "_load_holds", "_to_save", "_holds_by_step",
         "_restored", "_waiting", "_key_cache", "_decisions", "_probes")}
 
 
@@ -105,7 +105,7 @@ def test_scheduler_side_state_is_freed_and_memory_stays_flat(
     # per request (a set entry of an id) is 500 KB here; the old digest cache was ~1 MB.
     assert growth < 450 * 1024, f"{growth} bytes kept by 5000 requests"
     assert all(n == 0 for n in _state_sizes(sched).values()), _state_sizes(sched)
-    assert sched.store.host.index.num_readers() == 0
+    assert sched.store.host.index.num_held() == 0
 
 
 def test_worker_side_forgets_finished_requests_without_saves() -> None:

@@ -143,7 +143,7 @@ def test_every_hook_returns_at_once_and_serving_goes_on_while_a_tier_hangs(env: 
     # r1's chunks are in the host tier: a returning r1 is served from there meanwhile.
     r1b = _request("r1b", 1)
     assert ask(sched, r1b) == 3 * CT
-    sched.request_finished(r1b, [])  # aborted before allocation: its pins are released
+    sched.request_finished(r1b, [])  # aborted before allocation: its holds are released
 
     gate.set()  # the tier answers again
     sched.store.flush(10)
@@ -154,6 +154,6 @@ def test_every_hook_returns_at_once_and_serving_goes_on_while_a_tier_hangs(env: 
     assert sched.store.host.delete(keys) == 3  # only the tier has r1's prompt now
     assert ask(sched, r4) == 3 * CT
     assert breaker.up, "the trial call succeeded"
-    pinned = sched._lookups["r4"].pinned
-    assert pinned is not None and pinned.from_tier == [1, 1, 1], "read from the tier again"
+    held = sched._lookups["r4"].held
+    assert held is not None and held.from_tier == [1, 1, 1], "read from the tier again"
     assert hung.contains_prefix(keys) == 3

@@ -20,6 +20,7 @@ from kvtier.clock import ManualClock
 from kvtier.config import KVTierConfig
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.tiers.file import FileTier
+from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
 from tests.vllm.hooks import ask
@@ -111,3 +112,45 @@ def test_a_finished_request_offers_host_chunks_the_shared_tier_lost(env: Any) ->
     assert params["kvtier"]["tokens"] == 4 * CT
     sched.store.flush()
     assert other_node.contains_prefix(keys[:4]) == 4  # written through again from host
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+def test_the_scheduler_indexes_the_pool_the_worker_created(tmp_path: Path) -> None:
+    """Both sides cut one shared file into the same slots: what the worker saves into a
+    slot the scheduler reserved by key is what a later request's load order points at."""
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT, "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}}],
+        "restore": {"recompute_threshold_tokens": 64},
+    })
+    slot = GEOM.chunk_bytes(CT)
+    path = tmp_path / "pool"
+    worker = HostPool.create_shm(path, slot, HostPool.slots_for(cfg.host.capacity, slot),
+                                 pinned="no")
+    sched = SchedulerSide(cfg, GEOM, NS, path)
+    try:
+        assert not path.exists(), "the scheduler unlinked the name once mapped"
+        assert sched.store.host.pool.num_slots == worker.num_slots
+        first = _request("first")
+        first.num_computed_tokens = len(TOKENS)
+        delay, params = sched.request_finished(first, list(range(5)))
+        assert delay and params["kvtier"]["tokens"] == 4 * CT
+        saves = sched.build_meta().saves
+        for op in saves:  # the worker's gather into the reserved slots
+            worker.view(op.slot)[:] = op.block_ids[0] + 1
+        sched.on_worker_output({"first"}, None)  # committed with each chunk's real meta
+        again = _request("again")
+        assert ask(sched, again) == 4 * CT
+        sched.update_state_after_alloc(again, _Blocks(list(range(10, 15))), 4 * CT)
+        loads = sched.build_meta().loads
+        assert [op.slot for op in loads] == [op.slot for op in saves]
+        for c, op in enumerate(loads):  # the bytes the worker wrote, seen by the scheduler
+            assert np.all(sched.store.host.view(op.slot) == c + 1)
+    finally:
+        sched.close()

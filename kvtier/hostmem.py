@@ -1,0 +1,177 @@
+"""Host memory: how much there is, how to get it, how to share it, how to page-lock it.
+
+The one module for raw host memory. ``kvtier.tiers.pool`` (slots over it),
+``kvtier.ops`` (pinned staging buffers) and ``kvtier.vllm.shm`` (the pool shared by
+vLLM's worker and scheduler processes) all build on it, so none of them imports another
+for memory. It is a leaf: it imports nothing from kvtier but ``kvtier.sizes``, and torch
+only inside ``register_pinned`` (page-locking needs CUDA; nothing else here does).
+
+Invariants:
+
+* Every buffer handed out is page-aligned and has every page faulted in before it is
+  returned (``MAP_POPULATE``, or a write to each page where that flag is missing), so
+  first use never page-faults on a copy path.
+* A request that cannot be met fails here, at allocation, with the numbers and the
+  ``setting`` to change (``HostMemoryError``); never later, on first touch.
+* A shared file is created at its full size, or not at all (a failed create unlinks it);
+  an attach maps exactly the size it expects, or fails naming both sizes.
+* ``register_pinned`` never pins silently halfway: it returns False (nothing done) where
+  page-locking is impossible, raises with the size when the driver refuses, and ties the
+  unregistration to the lifetime of the memory's owner.
+
+Thread safety: every function may be called from any thread; none keeps state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.sizes import format_size
+
+if TYPE_CHECKING:
+    import torch
+
+#: Why ``pinned: yes`` failed: raised at start rather than silently pageable.
+PINNED_UNAVAILABLE = (
+    "tiers[0].host.pinned: yes, but the host pool cannot be page-locked here (no CUDA "
+    "device, or the native extension is missing); use pinned: auto (page-locked when "
+    "possible) or no"
+)
+
+#: ``allocator(nbytes) -> (buffer, is_pinned)``. The buffer must be page-aligned and
+#: support the buffer protocol (``mmap.mmap``, a numpy array, ...).
+Allocator = Callable[[int], tuple[Any, bool]]
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class HostMemoryError(Exception):
+    """Host memory could not be had. The message gives the numbers and what to change."""
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def touch_pages(buf: Any) -> None:
+    """Fault in every page of the writable buffer ``buf`` now (writes zeros)."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:: mmap.PAGESIZE] = 0
+
+
+def anonymous(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private, anonymous, page-aligned, pre-faulted memory. Not pinned."""
+    if nbytes <= 0:
+        raise ValueError(f"host memory: nbytes must be > 0, got {nbytes}")
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+    if not _POPULATE:
+        touch_pages(mm)
+    return mm
+
+
+def mmap_allocator(nbytes: int) -> tuple[Any, bool]:
+    """The ``Allocator`` of pageable memory: ``(anonymous(nbytes), False)``."""
+    return anonymous(nbytes), False
+
+
+def create_shared(path: Path, nbytes: int, *, setting: str) -> mmap.mmap:
+    """Create (or truncate) the file ``path``, size it to ``nbytes``, map it shared and
+    pre-fault it. ``HostMemoryError`` naming ``setting`` if the file system cannot hold it."""
+    if nbytes <= 0:
+        raise ValueError(f"host memory: nbytes must be > 0, got {nbytes}")
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise HostMemoryError(
+            f"{setting}: a {format_size(nbytes)} shared host pool does not fit in "
+            f"{path.parent} ({format_size(free)} free); lower the capacity or enlarge {path.parent}"
+        )
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        remove_shared(path)
+        raise
+    finally:
+        os.close(fd)
+    if not _POPULATE:
+        touch_pages(mm)
+    return mm
+
+
+def attach_shared(path: Path, nbytes: int, *, unlink: bool = True) -> mmap.mmap:
+    """Map the existing file ``path`` of exactly ``nbytes`` shared; then, with ``unlink``,
+    remove its name (the mapping keeps the memory; nothing is left behind after a crash).
+
+    ``FileNotFoundError`` if it does not exist; ``HostMemoryError`` naming both sizes if
+    it is not ``nbytes`` long (its creator disagrees on the geometry). Does not touch
+    the pages: its creator did.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise HostMemoryError(
+                f"host pool {path} is {size} bytes, this process expects {nbytes}; its "
+                "creator uses another geometry or capacity"
+            )
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    if unlink:
+        remove_shared(path)
+    return mm
+
+
+def remove_shared(path: Path) -> None:
+    """Unlink a shared pool's name; a name already gone is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def register_pinned(buf: torch.Tensor | Any, *, owner: object) -> bool:
+    """Page-lock existing host memory (a torch CPU tensor or any writable buffer, e.g. a
+    shared mapping) for CUDA DMA, when CUDA is available.
+
+    Returns False (nothing done) without torch or CUDA; raises ``RuntimeError`` with the
+    size when registration fails. The registration is dropped when ``owner`` (what keeps
+    the memory alive) is freed.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    if isinstance(buf, torch.Tensor):
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        ptr, nbytes = int(arr.ctypes.data), arr.nbytes
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = int(cudart.cudaHostRegister(ptr, nbytes, flags))
+    if err != 0:
+        raise RuntimeError(
+            f"alloc_pinned: cannot pin {nbytes / 2**30:.1f} GiB of host memory: "
+            f"cudaHostRegister failed with error {err} (check `ulimit -l`)"
+        )
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    return True
