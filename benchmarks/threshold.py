@@ -1,22 +1,25 @@
 """Adaptive recompute threshold (``recompute_threshold_tokens: auto``) against fixed ones.
 
 For each prompt length of a ladder and each tier the stored prefix is restored from,
-the TTFT (a one-token generate) of three policies, on a real vLLM engine:
+the TTFT (a one-token generate) of three policies, all on one real vLLM engine configured
+with ``auto`` and warmed up first with ``--warmup`` prefills of varied lengths (so its step
+model is past cold), request by request:
 
-* ``recompute``  ``kv_transfer_params {"kvtier": {"load": false}}``: the reference, measured
-                 in the same engine just before the others
-* ``restore``    an engine with ``recompute_threshold_tokens: 1`` (always restore)
-* ``auto``       an engine with ``recompute_threshold_tokens: auto``, warmed up first with
-                 ``--warmup`` prefills of varied lengths so its step model is past cold
+* ``recompute``  ``kv_transfer_params {"kvtier": {"load": false}}``: the reference
+* ``restore``    ``{"kvtier": {"recompute_threshold_tokens": 1}}``: always restore (a
+                 request's own fixed threshold overrides ``auto`` for that request)
+* ``auto``       no parameter: the engine's cost model decides
 
-Each policy's TTFT is divided by the recompute reference of its own engine, and ``auto``
-by the best of the other two ("oracle": 1.0 means auto chose as well as hindsight).
+The three run back to back on the same stored prefix, in an order that rotates with each
+repetition, so the engine, its caches and the machine's drift are shared by all three
+(two engines differed by more than the ms-scale differences at short prompts). Each TTFT
+is divided by the recompute reference, and ``auto`` by the best of the other two
+("oracle": 1.0 means auto chose as well as hindsight).
 Tiers: ``host`` (vLLM's prefix cache reset), ``file`` (kvtier's host tier dropped, page
-cache dropped), ``s3`` (file objects deleted too; a local moto server unless
+cache dropped), ``s3`` (on a host + S3 engine; a local moto server unless
 ``--s3-endpoint``). Writes ``<out>/threshold.json`` and ``threshold.png``.
-
-``--smoke``: the tiny model, two short prompts, host and file, the ``auto`` engine only
-(one engine start: a second would double the time), to check the script end to end.
+``--smoke``: the tiny model, two short prompts, host and file, to check the script end to
+end.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ from kvtier.vllm.settings import kv_transfer_config
 RESULTS = Path(__file__).resolve().parent / "results"
 TIERS = ("host", "file", "s3")
 NO_LOAD = {"kvtier": {"load": False}}
+#: What each policy sends with a request (None: nothing, the engine's ``auto`` decides).
+POLICY_PARAMS: dict[str, dict[str, Any] | None] = {
+    "recompute": NO_LOAD,
+    "restore": {"kvtier": {"recompute_threshold_tokens": 1}},
+    "auto": None,
+}
 NO_CACHE = {"kvtier": {"load": False, "save": False}}
 
 
@@ -93,62 +102,82 @@ class Runner:
             self.ttft(tokens(length, seed=10_000 + i, vocab=self.vocab), reset=False,
                       params=NO_CACHE)
 
-    def measure(self, prompt: list[int], tiers: list[str]) -> dict[str, Any]:
-        """The reference, then a restore from each of ``tiers`` (in host, file, s3 order)."""
+    def prepare(self, tier: str) -> None:
+        """Make ``tier`` the highest place the stored prefix is (vLLM's cache is reset by
+        the request itself)."""
+        if tier in ("file", "s3"):
+            self.reset_all()
+        if tier == "file":
+            drop_page_cache(self.store)
+
+    def measure(self, prompt: list[int], tiers: list[str], policies: list[str],
+                rep: int) -> dict[str, dict[str, Any]]:
+        """Per policy, the recompute reference and a restore from each of ``tiers`` (in
+        host, file, s3 order), the policies back to back in an order rotated by ``rep``."""
         self.ttft(prompt, reset=False)  # compute and store
         self.ttft(prompt, reset=False)  # a vLLM hit: lets the delayed-free save finish
-        row: dict[str, Any] = {}
-        ref, _ = self.ttft(prompt, reset=True, params=NO_LOAD)
-        for tier in TIERS:
-            if tier == "file":
-                self.reset_all()
-                drop_page_cache(self.store)
-            elif tier == "s3":
-                self.reset_all()
-            if tier in tiers:
-                row[f"{tier}_ref"] = ref
-                row[tier], out = self.ttft(prompt, reset=True)
+        order = ["recompute", *policies]
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        rows: dict[str, dict[str, Any]] = {p: {} for p in policies}
+        for tier in tiers:
+            ttfts: dict[str, float] = {}
+            for policy in order:
+                self.prepare(tier)
+                ttfts[policy], out = self.ttft(prompt, reset=True,
+                                               params=POLICY_PARAMS[policy])
+                if policy == "recompute":
+                    continue
+                row = rows[policy]
                 params = (out.kv_transfer_params or {}).get("kvtier", {})
                 row[f"{tier}_restored"] = sum(restored(out).values())
                 if "decision" in params:
                     row[f"{tier}_decision"] = params["decision"]
-        return row
+            for policy in policies:
+                rows[policy][f"{tier}_ref"] = ttfts["recompute"]
+                rows[policy][tier] = ttfts[policy]
+        return rows
 
 
-def run_policy(policy: str, args: argparse.Namespace, model: Path,
-               work: Path, s3: tuple[str, str] | None, lengths: list[int],
-               tiers: list[str], vocab: int) -> dict[tuple[int, int], dict[str, Any]]:
-    """One engine per policy and lower tier: host + file measures the host and file rows,
+def run_policies(args: argparse.Namespace, model: Path, work: Path,
+                 s3: tuple[str, str] | None, lengths: list[int], tiers: list[str],
+                 policies: list[str], vocab: int
+                 ) -> dict[str, dict[tuple[int, int], dict[str, Any]]]:
+    """One ``auto`` engine per lower tier: host + file measures the host and file rows,
     host + S3 the S3 rows."""
-    out: dict[tuple[int, int], dict[str, Any]] = {}
+    out: dict[str, dict[tuple[int, int], dict[str, Any]]] = {p: {} for p in policies}
     setups = [([t for t in tiers if t != "s3"], None), (["s3"] if "s3" in tiers else [], s3)]
     for measured, endpoint in setups:
         if not measured:
             continue
-        for key, row in run_engine(policy, args, model, work, endpoint, lengths, measured,
-                                   vocab).items():
-            out.setdefault(key, {}).update(row)
+        got = run_engine(args, model, work, endpoint, lengths, measured, policies, vocab)
+        for policy, by_prompt in got.items():
+            for key, row in by_prompt.items():
+                out[policy].setdefault(key, {}).update(row)
     return out
 
 
-def run_engine(policy: str, args: argparse.Namespace, model: Path,
-               work: Path, s3: tuple[str, str] | None, lengths: list[int],
-               tiers: list[str], vocab: int) -> dict[tuple[int, int], dict[str, Any]]:
-    name = f"{policy}-{'s3' if s3 else 'file'}"
+def run_engine(args: argparse.Namespace, model: Path, work: Path,
+               s3: tuple[str, str] | None, lengths: list[int], tiers: list[str],
+               policies: list[str], vocab: int
+               ) -> dict[str, dict[tuple[int, int], dict[str, Any]]]:
+    name = f"auto-{'s3' if s3 else 'file'}"
     store = work / f"store-{name}"
-    threshold: int | str = "auto" if policy == "auto" else 1
-    cfg = engine_yaml(work / f"{name}.yaml", store, s3, f"{name}/", threshold,
-                      args.warmup_steps)
+    cfg = engine_yaml(work / f"{name}.yaml", store, s3, f"{name}/", "auto", args.warmup_steps)
     print(f"[{name}] starting vLLM ...", flush=True)
     with LLMWorker(work / f"engine-{name}", model=str(model), kv_cache_gib=2,
                    max_model_len=max(lengths) + 64, enable_prefix_caching=True,
                    kv_transfer_config=kv_transfer_config(cfg)) as engine:
         print(f"[{name}] engine up in {engine.startup_s:.0f} s", flush=True)
         runner = Runner(engine, store, vocab)
-        if policy == "auto":
-            runner.warm_up(args.warmup, max(lengths))
-        return {(n, rep): runner.measure(tokens(n, seed=n * 100 + rep, vocab=vocab), tiers)
-                for n in lengths for rep in range(args.reps)}
+        runner.warm_up(args.warmup, max(lengths))
+        out: dict[str, dict[tuple[int, int], dict[str, Any]]] = {p: {} for p in policies}
+        for n in lengths:
+            for rep in range(args.reps):
+                rows = runner.measure(tokens(n, seed=n * 100 + rep, vocab=vocab), tiers,
+                                      policies, rep)
+                for policy, row in rows.items():
+                    out[policy][n, rep] = row
+        return out
 
 
 def summarise(results: dict[str, dict[tuple[int, int], dict[str, Any]]],
@@ -224,7 +253,7 @@ def plot(rows: list[dict[str, Any]], policies: list[str], tiers: list[str], out:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny model, 2 prompts, host+file, auto engine only")
+                    help="tiny model, 2 prompts, host+file")
     ap.add_argument("--model", default=None, help="model path (default: build the preset)")
     ap.add_argument("--preset", choices=["bench90m", "tiny"], default="bench90m")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
@@ -240,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset, args.lengths, args.tiers, args.warmup = "tiny", "512,1024", "host,file", 4
-        args.policies = "auto"
     lengths = [int(x) for x in args.lengths.split(",")]
     tiers = [t for t in TIERS if t in args.tiers.split(",")]
     policies = [p for p in ("restore", "auto") if p in args.policies.split(",")]
@@ -265,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
                 Bucket="kvtier-threshold")
             s3 = (endpoint, "kvtier-threshold")
-        for policy in policies:  # one engine at a time: a small machine holds one
-            results[policy] = run_policy(policy, args, model, work, s3, lengths,
-                                         tiers, vocab)
+        results = run_policies(args, model, work, s3, lengths, tiers, policies, vocab)
     rows = summarise(results, lengths, tiers)
     report = {"benchmark": "threshold", "model": str(model), "preset": args.preset,
               "lengths": lengths, "tiers": tiers, "policies": policies, "reps": args.reps,
@@ -277,9 +303,6 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(time.perf_counter() - t_start, 1)}
     (out / "threshold.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows, policies))
-    if "auto" in policies and not any("auto_decisions" in r for r in rows):
-        print("note: no auto decisions reported in kv_transfer_params: the connector "
-              "may not use kvtier.costmodel yet (auto = fixed 64 tokens)")
     if plot(rows, policies, tiers, out / "threshold.png"):
         print(f"wrote {out / 'threshold.json'} and {out / 'threshold.png'}")
     else:

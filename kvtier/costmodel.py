@@ -312,27 +312,35 @@ class ThresholdPolicy:
         tiers_of_chunks: Sequence[str],
         *,
         limit_tokens: int | None = None,
+        fixed_tokens: int | None = None,
     ) -> Decision:
-        if self.model is not None:
+        """The decision for one request. ``fixed_tokens`` (a request's own threshold)
+        overrides the policy for this request: a fixed threshold, whatever the config."""
+        if fixed_tokens is not None:
+            d = self._fixed(start_tokens, chunk_tokens, tiers_of_chunks, limit_tokens,
+                            max(1, fixed_tokens))
+        elif self.model is not None:
             d = self.model.decide(start_tokens, chunk_tokens, chunk_bytes, tiers_of_chunks,
                                   limit_tokens=limit_tokens)
         else:
-            d = self._fixed(start_tokens, chunk_tokens, tiers_of_chunks, limit_tokens)
+            assert self.fixed_tokens is not None
+            d = self._fixed(start_tokens, chunk_tokens, tiers_of_chunks, limit_tokens,
+                            self.fixed_tokens)
         self.counts.add(d)
         record_threshold_decision(d.outcome.value)
         return d
 
+    @staticmethod
     def _fixed(
-        self, start: int, ct: int, tiers: Sequence[str], limit: int | None
+        start: int, ct: int, tiers: Sequence[str], limit: int | None, threshold: int
     ) -> Decision:
-        assert self.fixed_tokens is not None
         base = start // ct * ct
         n = len(tiers)
         if limit is not None:
             n = max(0, min(n, -(-(limit - base) // ct)))
         end = min(base + n * ct, limit if limit is not None else base + n * ct)
         tokens = max(0, end - start)
-        if tokens < self.fixed_tokens:
+        if tokens < threshold:
             return Decision(0, 0, Outcome.RECOMPUTE,
-                            f"{tokens} tokens < threshold {self.fixed_tokens}")
-        return Decision(n, tokens, Outcome.RESTORE_ALL, f"threshold {self.fixed_tokens}")
+                            f"{tokens} tokens < threshold {threshold}")
+        return Decision(n, tokens, Outcome.RESTORE_ALL, f"threshold {threshold}")

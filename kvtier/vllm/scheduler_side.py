@@ -67,11 +67,25 @@ def _request_params(request: Any) -> dict[str, Any]:
     """The request's ``kv_transfer_params["kvtier"]`` (empty if absent or malformed).
 
     Keys read: ``expect`` (P/D announcement), ``load: false`` (never restore: a
-    recompute reference, or D->P reuse switched off), ``save: false`` (store nothing).
+    recompute reference, or D->P reuse switched off), ``save: false`` (store nothing),
+    ``recompute_threshold_tokens`` (this request's own fixed threshold; see
+    ``_request_threshold``).
     """
     params = getattr(request, "kv_transfer_params", None)
     mine = params.get("kvtier") if isinstance(params, dict) else None
     return mine if isinstance(mine, dict) else {}
+
+
+def _request_threshold(params: dict[str, Any]) -> tuple[int | None, bool]:
+    """A request's ``recompute_threshold_tokens`` and whether it was malformed: a
+    non-negative integer overrides the configured threshold (fixed or ``auto``) for that
+    request only, e.g. to compare always-restore with ``auto`` on one engine."""
+    value = params.get("recompute_threshold_tokens")
+    if value is None:
+        return None, False
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value, False
+    return None, True
 
 
 def _release_when_done(fut: Future[Held]) -> None:
@@ -91,6 +105,7 @@ class _Lookup:
     held: Held | None = None
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
+    threshold: int | None = None  # the request's own fixed threshold, if it set one
 
 
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
@@ -141,6 +156,7 @@ class SchedulerSide:
         self.store = store or self._build_store(pool_path)
         self.policy = threshold_policy(cfg.restore, self.store, self.slot_bytes,
                                        probe=store is None)
+        self._bad_threshold_logged = False
         self.step_timer = (None if self.policy.model is None
                            else StepTimer(self.policy.model, self.slot_bytes // self.bpc))
         self._lookups: dict[str, _Lookup] = {}
@@ -257,15 +273,21 @@ class SchedulerSide:
             t0 = time.perf_counter() - waited
             if hit.hits == 0:
                 return 0, False
+            own, bad = _request_threshold(_request_params(request))
+            if bad and not self._bad_threshold_logged:
+                self._bad_threshold_logged = True
+                log.warning("kvtier: ignoring kv_transfer_params.kvtier."
+                            "recompute_threshold_tokens (not a non-negative integer)")
             d = self.policy.chunks_to_restore(
                 num_computed, self.ct, self.slot_bytes,
                 [self.store.tiers[i].name for i in hit.tiers], limit_tokens=limit,
+                fixed_tokens=own,
             )
             log.debug("kvtier: %s: %s", rid, d)
             self._decisions[rid] = d
             if d.chunks == 0:
                 return 0, False
-            lk = _Lookup(keys, first, t0=t0)
+            lk = _Lookup(keys, first, t0=t0, threshold=own)
             lk.future = self.store.load(hit.head(d.chunks), self._spec(ns))
             self._lookups[rid] = lk
         if lk.future is not None:
@@ -283,7 +305,8 @@ class SchedulerSide:
         ext = tokens - num_computed
         # A fixed threshold applies to what was staged (a failed read shrinks it); under
         # ``auto`` the reads are paid for, so what is held is claimed.
-        if ext < (self.policy.fixed_tokens or 1):
+        threshold = lk.threshold if lk.threshold is not None else self.policy.fixed_tokens
+        if ext < max(1, threshold or 1):
             self._forget(rid)
             return 0, False
         lk.start_tokens = num_computed

@@ -91,3 +91,38 @@ def test_warm_auto_recomputes_when_the_tier_is_slower_than_the_engine(
     assert ask(sched, _request()) == 0
     assert sched.policy.counts.as_dict()["recompute"] == 1
     assert "r" not in sched._lookups, "nothing was read"
+
+
+def _slow_tier_warm_model(sched: SchedulerSide) -> None:
+    model = CostModel(margin=0.1, host_tier=sched.store.host.name,
+                      steps=StepModel(warmup_steps=3))
+    sched.policy.model = model
+    model.seed("file1", latency_s=1.0, bandwidth_Bps=1e6)
+    for i in range(6):
+        n = 256 * (1 + i % 3)
+        model.observe_step([(n, 0)], seconds=n / 256e3)
+
+
+@pytest.mark.parametrize(("own", "restored"), [(1, 4 * CT), (4 * CT, 4 * CT), (4 * CT + 1, 0)])
+def test_a_requests_own_threshold_overrides_auto(
+    sched: SchedulerSide, own: int, restored: int
+) -> None:
+    """``kv_transfer_params.kvtier.recompute_threshold_tokens`` is a fixed threshold for
+    that request, even where ``auto`` would recompute (a tier slower than the engine)."""
+    _slow_tier_warm_model(sched)
+    req = _request()
+    req.kv_transfer_params = {"kvtier": {"recompute_threshold_tokens": own}}
+    assert ask(sched, req) == restored
+    d = sched._decisions["r"]
+    assert f"threshold {own}" in d.reason
+
+
+@pytest.mark.parametrize("bad", [-1, "1", 1.5, True, [1]])
+def test_a_malformed_own_threshold_is_ignored(
+    sched: SchedulerSide, bad: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    _slow_tier_warm_model(sched)
+    req = _request()
+    req.kv_transfer_params = {"kvtier": {"recompute_threshold_tokens": bad}}
+    assert ask(sched, req) == 0  # auto decides, as without the key
+    assert "recompute_threshold_tokens" in caplog.text
