@@ -14,6 +14,15 @@ Paths compared (kvtier side | LMCache side):
                                                          (into LMCache's MemoryObjs)
 * fs:// write/read  the same FileTier numbers, again   | RemoteBackend + FSConnector at
                     measured side by side              |  fs://localhost:1/<dir>
+* cephfs            FileTier on CephFS (ceph-fuse)     | the same fs:// backend on CephFS
+  write/read        (``--paths cephfs``: a throwaway single-node cluster, memstore OSD)
+
+On CephFS a cold read is a read by a second client ("node 2", its own ``ceph-fuse`` mount)
+of objects that node 1 has just written (rewritten untimed before every read, so node 2
+holds no cache of them): ``posix_fadvise`` drops only the kernel's page cache, not
+ceph-fuse's own object cache. kvtier's node 2 is a second FileTier on the node-2 mount;
+LMCache's fs:// directory is a symlink that is repointed from node 1's mount to node 2's
+for its reads.
 
 LMCache runs in its own venv (created here on first use: ``.venv-lmcache`` next to the
 repo's ``.venv``, torch 2.13.0+cpu only). ``benchmarks/peers_lmcache.py`` runs there as a
@@ -31,6 +40,8 @@ previous objects are deleted and ``sync`` has returned.
 
     .venv/bin/python benchmarks/peers.py                     # 3 MiB chunks, 512 MiB
     .venv/bin/python benchmarks/peers.py --quick --skip-lmcache --out /tmp/p.json
+    .venv/bin/python benchmarks/peers.py --paths cephfs --total 256MiB --reps 3 \
+        --out benchmarks/results/peers_cephfs.json
 
 Targets: kvtier >= LMCache on every path, and >= 1.3x on the durable write paths.
 """
@@ -246,6 +257,8 @@ class KvtierSide:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="peers-kvtier")
         self.host: Any = None
         self.files: dict[bool, Any] = {}
+        self.reader: Any = None  # cephfs: the durable tier's directory seen from node 2
+        self.cephfs: tuple[Path, Path] | None = None  # (node 1 dir, node 2 dir)
 
     def _each(self, fn: Callable[[int], Any]) -> list[Any]:
         return list(self.pool.map(fn, range(self.count)))
@@ -256,15 +269,21 @@ class KvtierSide:
 
         if kind == "cpu":
             self.host = HostTier(self.chunk * self.count, self.chunk)
-        else:
-            self.files = {
-                d: FileTier(self.workdir / f"kvtier-{kind}-{'durable' if d else 'visible'}",
-                            1 << 50, fsync=d)
-                for d in (False, True)
-            }
+            return
+        base = self.workdir
+        if kind == "cephfs":
+            assert self.cephfs is not None
+            base = self.cephfs[0]
+        self.files = {
+            d: FileTier(base / f"kvtier-{kind}-{'durable' if d else 'visible'}",
+                        1 << 50, fsync=d)
+            for d in (False, True)
+        }
+        if self.cephfs is not None and kind == "cephfs":
+            self.reader = FileTier(self.cephfs[1] / "kvtier-cephfs-durable", 1 << 50)
 
     def teardown(self) -> None:
-        self.host = None
+        self.host = self.reader = None
         for tier in self.files.values():
             tier.delete(self.keys)
         self.files = {}
@@ -303,7 +322,7 @@ class KvtierSide:
             tier = self.files[op == "write_durable"]
             out = self._each(lambda i: tier.put(self.metas[i], self.src[i].data))
         elif op == "read":
-            tier = self.files[True]
+            tier = self.reader if self.reader is not None else self.files[True]
             out = self._each(lambda i: tier.get_into(self.keys[i], self.dst[i].data))
         else:
             raise ValueError(op)
@@ -343,7 +362,7 @@ class Report:
     def __init__(self, with_lmcache: bool) -> None:
         self.rows: list[dict[str, Any]] = []
         self.with_lmcache = with_lmcache
-        print(f"{'path':<24} {'LMCache':>8} {'kvtier':>8} {'kvtier/LMCache':>15}  "
+        print(f"{'path':<34} {'LMCache':>8} {'kvtier':>8} {'kvtier/LMCache':>15}  "
               f"{'target':>7}  result   (GB/s, median)", flush=True)
 
     def add(self, path: str, op: str, lmcache: str, kvtier: str, rates: dict[str, list[float]],
@@ -361,7 +380,7 @@ class Report:
         name = f"{path} {op}"
         if lm is None:
             self.rows.append(row)
-            print(f"{name:<24} {'-':>8} {kv:8.2f} {'-':>15}  >={target:<5.2f}  skipped",
+            print(f"{name:<34} {'-':>8} {kv:8.2f} {'-':>15}  >={target:<5.2f}  skipped",
                   flush=True)
             return
         ratio = round(kv / lm, 3)
@@ -374,7 +393,7 @@ class Report:
                            f"(+{(target / ratio - 1) * 100:.0f}%)")
         self.rows.append(row)
         res = "ok" if row["ok"] else f"MISS, {row['short_pct']:.0f}% short"
-        print(f"{name:<24} {lm:8.2f} {kv:8.2f} {ratio:15.2f}  >={target:<5.2f}  {res}",
+        print(f"{name:<34} {lm:8.2f} {kv:8.2f} {ratio:15.2f}  >={target:<5.2f}  {res}",
               flush=True)
 
     def summary(self) -> list[str]:
@@ -444,6 +463,8 @@ def run(args: argparse.Namespace, chunk: int, total: int) -> dict[str, Any]:
         lm: WorkerClient | None = None
         report = Report(lm_info is not None)
         notes: dict[str, Any] = {}
+        servers: dict[str, str] = {}
+        stack = contextlib.ExitStack()
         try:
             if lm_info is not None:
                 lm = WorkerClient(Path(args.lmcache_venv) / "bin" / "python",
@@ -451,20 +472,31 @@ def run(args: argparse.Namespace, chunk: int, total: int) -> dict[str, Any]:
                 lm_info.update(lm.call("init", chunk=chunk, count=count, tokens=tokens,
                                        threads=args.threads, src=str(src_path),
                                        workdir=str(work)))
-            kinds = [k for k in ("cpu", "disk", "fs") if k in args.paths.split(",")]
+            kinds = [k for k in KINDS if k in args.paths.split(",")]
             for kind in kinds:
                 if kind == "fs" and lm is None:
                     continue  # without LMCache, fs:// would only repeat the disk numbers
+                link = None
+                if kind == "cephfs":
+                    node1, node2 = _cephfs(stack, work)
+                    kv.cephfs = (node1, node2)
+                    link = (work / "lmcache-cephfs", node1 / "lmcache-fs", node2 / "lmcache-fs")
+                    link[1].mkdir()
+                    _point(link[0], link[1])
+                    notes["cephfs"] = servers = _ceph_description()
                 kv.setup(kind)
                 if lm is not None:
-                    notes[f"lmcache_{kind}_setup"] = lm.call("setup", kind=kind)
-                _measure_kind(kind, kv, lm, report, args.reps, nbytes, _drop_cache)
+                    root = None if link is None else str(link[0])
+                    notes[f"lmcache_{kind}_setup"] = lm.call("setup", kind=_lm_kind(kind),
+                                                             root=root)
+                _measure_kind(kind, kv, lm, report, args.reps, nbytes, _drop_cache, link)
                 if lm is not None:
                     lm.call("teardown")
                 kv.teardown()
         finally:
             if lm is not None:
                 lm.close()
+            stack.close()
     out: dict[str, Any] = {
         "benchmark": "peers",
         "chunk_bytes": chunk, "chunk_tokens": tokens, "total_bytes": nbytes, "count": count,
@@ -492,6 +524,7 @@ def run(args: argparse.Namespace, chunk: int, total: int) -> dict[str, Any]:
             "kvtier_threads": "a ThreadPoolExecutor of --threads calling the tier per chunk",
         },
         "setup": notes,
+        "servers": servers,
         "rows": report.rows,
         "misses": report.summary(),
     }
@@ -501,8 +534,46 @@ def run(args: argparse.Namespace, chunk: int, total: int) -> dict[str, Any]:
     return out
 
 
+KINDS = ("cpu", "disk", "fs", "cephfs")
+
+
+def _lm_kind(kind: str) -> str:
+    """LMCache's side of a path: CephFS is its fs:// backend in a CephFS directory."""
+    return "fs" if kind == "cephfs" else kind
+
+
+def _point(link: Path, target: Path) -> None:
+    """Atomically make ``link`` a symlink to ``target``."""
+    tmp = link.with_name(link.name + ".new")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _cephfs(stack: contextlib.ExitStack, work: Path) -> tuple[Path, Path]:
+    """A throwaway Ceph cluster (stopped by ``stack``): the same new directory as seen
+    from two ``ceph-fuse`` mounts, node 1 and node 2."""
+    from benchmarks.tiers import CEPH_MEMSTORE_BYTES
+    from kvtier.testing.ceph import ceph_cluster
+
+    cluster = stack.enter_context(ceph_cluster(work / "ceph",
+                                               memstore_bytes=CEPH_MEMSTORE_BYTES))
+    node1, node2 = cluster.mount("node1"), cluster.mount("node2")
+    (node1 / "peers").mkdir()
+    return node1 / "peers", node2 / "peers"
+
+
+def _ceph_description() -> dict[str, str]:
+    from benchmarks.tiers import ceph_version
+
+    return {"server": f"CephFS {ceph_version()}, memstore OSD (RAM), 127.0.0.1",
+            "client": "ceph-fuse; writes on node 1, cold reads on node 2 (a second mount)"}
+
+
 def _measure_kind(kind: str, kv: KvtierSide, lm: WorkerClient | None, report: Report,
-                  reps: int, nbytes: int, drop_cache: Callable[[list[Path]], None]) -> None:
+                  reps: int, nbytes: int, drop_cache: Callable[[list[Path]], None],
+                  link: tuple[Path, Path, Path] | None = None) -> None:
+    """``link``, for cephfs: (LMCache's fs:// directory, a symlink; node 1's; node 2's)."""
     def kv_clear() -> None:
         kv.clear()
         if kind != "cpu":
@@ -544,17 +615,45 @@ def _measure_kind(kind: str, kv: KvtierSide, lm: WorkerClient | None, report: Re
                    measure("get", nothing, nothing), TARGET)
         return
     lm_name = ("LocalDiskBackend" if kind == "disk" else "RemoteBackend fs://localhost:1/dir")
-    label = "disk" if kind == "disk" else "fs://"
+    label = {"disk": "disk", "fs": "fs://", "cephfs": "CephFS (ceph-fuse)"}[kind]
+    if kind == "cephfs":
+        lm_name = "RemoteBackend fs:// on CephFS"
     report.add(label, "write visible", lm_name + " (no fsync)", "FileTier(fsync=False)",
                measure("write", kv_clear, lm_clear), TARGET)
     report.add(label, "write durable", lm_name + " + fsync from outside",
                "FileTier(fsync=True)", measure("write_durable", kv_clear, lm_clear),
                DURABLE_TARGET)
+    if link is not None:
+        report.add(label, "cold read", lm_name + ": StorageManager.batched_get on node 2",
+                   "FileTier.get_into on node 2", measure("read", *_rewrite(kv, lm, link)),
+                   TARGET)
+        return
     lm_paths = [Path(p) for p in lm.call("paths")["paths"]] if lm is not None else []
     report.add(label, "cold read", lm_name + ": StorageManager.batched_get",
                "FileTier.get_into",
                measure("read", lambda: drop_cache(kv.paths()), lambda: drop_cache(lm_paths)),
                TARGET)
+
+
+def _rewrite(kv: KvtierSide, lm: WorkerClient | None,
+             link: tuple[Path, Path, Path]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Untimed steps ahead of a cold read on node 2: node 1 deletes and writes every
+    object again (durably), so node 2 has none of the new files cached."""
+
+    def kv_before() -> None:
+        kv.clear()
+        kv.run("write_durable")
+        _sync()
+
+    def lm_before() -> None:
+        assert lm is not None
+        _point(link[0], link[1])
+        lm.call("clear")
+        lm.call("run", op="write_durable")
+        _sync()
+        _point(link[0], link[2])
+
+    return kv_before, lm_before
 
 
 def _verify(kv: KvtierSide, lm: WorkerClient | None) -> None:
@@ -587,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total", default="512MiB", help="bytes moved per measurement")
     ap.add_argument("--threads", type=int, default=2, help="threads on each side")
     ap.add_argument("--reps", type=int, default=5, help="repetitions kept (one more is dropped)")
-    ap.add_argument("--paths", default="cpu,disk,fs", help="subset of cpu,disk,fs")
+    ap.add_argument("--paths", default="cpu,disk,fs",
+                    help=f"subset of {','.join(KINDS)} (cephfs starts a Ceph cluster)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes and few repetitions, for a smoke test")
     ap.add_argument("--skip-lmcache", action="store_true",

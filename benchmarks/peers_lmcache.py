@@ -8,7 +8,8 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout, 
 
     {"cmd": "init", "chunk": bytes, "count": n, "tokens": t, "threads": n,
      "src": shared source file, "workdir": dir}       -> {"torch", "lmcache", "python"}
-    {"cmd": "setup", "kind": "cpu" | "disk" | "fs"}   -> {"pool_pretouched", "shape"}
+    {"cmd": "setup", "kind": "cpu" | "disk" | "fs",   -> {"pool_pretouched", "shape"}
+     "root": fs:// directory (optional; default <workdir>/lmcache-<kind>)}
     {"cmd": "run", "op": "put" | "get" | "write" | "write_durable" | "read"}
                                                       -> {"seconds": float}
     {"cmd": "clear"} / {"cmd": "teardown"}            -> {}
@@ -108,7 +109,7 @@ class LMCacheSide:
         return obj.tensor.view(self.torch.uint8).view(-1)
 
     # -- setup -----------------------------------------------------------------------
-    def setup(self, kind: str) -> dict[str, Any]:
+    def setup(self, kind: str, root: str | None = None) -> dict[str, Any]:
         import asyncio
 
         from lmcache.v1.config import LMCacheEngineConfig
@@ -120,7 +121,7 @@ class LMCacheSide:
         total = self.chunk * self.count
         # Room for every chunk (cpu), or for the chunks plus one read of all of them.
         pool = (total if kind == "cpu" else 2 * total) * 1.1 + (64 << 20)
-        path = self.workdir / f"lmcache-{kind}"
+        path = Path(root) if root else self.workdir / f"lmcache-{kind}"
         path.mkdir(parents=True, exist_ok=True)
         cfg = LMCacheEngineConfig.from_defaults(
             chunk_size=self.tokens,
@@ -324,7 +325,7 @@ class LMCacheSide:
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         cmd = req["cmd"]
         if cmd == "setup":
-            return self.setup(req["kind"])
+            return self.setup(req["kind"], req.get("root"))
         if cmd == "teardown":
             return self.teardown()
         if cmd == "clear":

@@ -394,9 +394,10 @@ class TieredStore:
 
         Each chunk is read from the tier ``found`` names: no tier is asked again where a
         key is. What changed since the lookup is checked, not trusted: a host entry lost
-        meanwhile (evicted, or not what ``expect`` says) is a counted miss, then read from
-        the first lower tier whose index knows it, if any; an object gone from its tier is
-        a counted miss; either ends the prefix when nothing else has the chunk. A chunk
+        meanwhile (evicted, or not what ``expect`` says), or an object gone from its tier
+        (another node's collector, a corrupt object), is a counted miss there, then read
+        from the next lower tier whose index knows it, if any; it ends the prefix when
+        no tier below has the chunk. A chunk
         another load promoted meanwhile is served from the host. Leading host
         entries are held at once, on the calling thread; the rest are read on the IO pool
         (loads run before stores). With ``expect``, only chunks that match it are served: a
@@ -442,23 +443,23 @@ class TieredStore:
             return None
         return got, HOST
 
-    def _indexed_below(self, key: ChunkKey) -> int | None:
-        """The first lower tier whose breaker is up and whose index knows ``key`` (memory
-        only): where a chunk the host lost since the lookup may still be read."""
+    def _indexed_below(self, key: ChunkKey, tier: int = HOST) -> int | None:
+        """The first tier below ``tier`` whose breaker is up and whose index knows ``key``
+        (memory only): where a chunk that ``tier`` lost since the lookup may still be
+        read."""
         return next((i for i, (lt, b) in enumerate(zip(self.lower, self.breakers,
                                                        strict=True), start=1)
-                     if b.up and lt.tier.indexed(key)), None)
+                     if i > tier and b.up and lt.tier.indexed(key)), None)
 
     def _promote(
         self, held: Held, entries: list[tuple[ChunkKey, int]], expect: ChunkSpec | None
     ) -> Held:
         try:
             for key, tier in entries:
-                if tier == HOST:
-                    got = self._hold_host(key, expect)
-                    if got is None and (alt := self._indexed_below(key)) is not None:
-                        got = self._promote_one(key, alt, expect)
-                else:
+                got = (self._hold_host(key, expect) if tier == HOST
+                       else self._promote_one(key, tier, expect))
+                while got is None and (below := self._indexed_below(key, tier)) is not None:
+                    tier = below  # lost where the lookup saw it: the next tier down
                     got = self._promote_one(key, tier, expect)
                 if got is None:
                     break

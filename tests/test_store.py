@@ -371,6 +371,36 @@ def test_host_entry_evicted_since_the_lookup_is_read_below(through: TieredStore)
     drain_host(through.host)
 
 
+def test_object_gone_since_the_lookup_is_read_from_the_next_tier_down(tmp_path: Path) -> None:
+    """Another node's collector removed the chunks from the shared directory; the S3-like
+    tier below still has them: the load reads them there instead of recomputing."""
+    host = HostTier(4 * PAYLOAD, PAYLOAD)
+    upper = FileTier(tmp_path / "f1", 1 << 30, clock=ManualClock())
+    lower = FileTier(tmp_path / "f2", 1 << 30, clock=ManualClock())
+    s = TieredStore(host, [LowerTier(upper, WritePolicy.THROUGH),
+                           LowerTier(lower, WritePolicy.THROUGH)], IOPool(2, 64))
+    try:
+        keys = [make_key(i) for i in range(3)]
+        for key in keys:
+            upper.put(meta_for(key), payload_for(key).data)
+            lower.put(meta_for(key), payload_for(key).data)
+        found = s.lookup_indexed(keys)
+        assert found.tiers == (1, 1, 1)
+        for key in keys[1:]:
+            upper.path_of(key).unlink()  # removed by another node meanwhile
+        held = s.load(found, SPEC).result(timeout=30)
+        try:
+            assert held.from_tier == [1, 2, 2]
+            for i, key in enumerate(keys):
+                np.testing.assert_array_equal(held.view(i), payload_for(key))
+        finally:
+            held.release()
+        assert upper.metrics.counts.misses == 2
+        drain_host(host)
+    finally:
+        s.close()
+
+
 def test_object_gone_since_the_lookup_is_a_counted_miss_that_ends_the_prefix(
     through: TieredStore,
 ) -> None:
