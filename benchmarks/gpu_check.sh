@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# GPU check of kvtier's native ops, in one run of at most 8 minutes on a lent CUDA
-# machine (H200): builds kvtier._C with CUDA, runs the ops tests (the CUDA targets
-# included), prints the device<->pinned-host bandwidth table for both copy strategies
-# against a plain pinned cudaMemcpy (target >= 0.85x) and which strategy to make the
-# default per direction (kvtier/ops/backend.py: DEFAULT_CUDA_STRATEGY).
+# GPU check of kvtier's native ops and the worker's copy engine, in one run of at most
+# 10 minutes on a lent CUDA machine (H200): builds kvtier._C with CUDA, runs the ops
+# tests (the CUDA targets included, tests/ops/test_layerwise.py among them), prints the
+# device<->pinned-host bandwidth table for both copy strategies against a plain pinned
+# cudaMemcpy (target >= 0.85x) and which strategy to make the default per direction
+# (kvtier/ops/backend.py: DEFAULT_CUDA_STRATEGY), then drives the worker's per-step copy
+# engine (kvtier/ops/stepcopy.py, what the vLLM connector runs; no vLLM needed) with
+# FlashAttention and FlashInfer KV layouts: round trips against the torch reference,
+# step bandwidth as a fraction of cudaMemcpyAsync, and a layer-wise load overlapping a
+# matmul per layer (benchmarks/gpu_worker_check.py -> worker_cuda.json).
+#
+# Without a CUDA device it says so and exits 0: there is nothing to check.
 #
 # The lent machine has python3 with a CUDA build of torch, nvcc, ninja, setuptools and
 # pytest, and no network: nothing is installed. Run it from the device tool as
-#     bash benchmarks/gpu_check.sh          (timeout_s=540)
+#     bash benchmarks/gpu_check.sh          (timeout_s=600)
 # Results go to $OUT (what the tool brings back) or benchmarks/results/.
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0),
@@ -24,6 +31,13 @@ export KVTIER_BUILD_CUDA=1  # a missing CUDA toolchain is an error here, not a C
 mkdir -p "$RESULTS"
 t0=$SECONDS
 step() { printf '\n== [%ds] %s\n' "$((SECONDS - t0))" "$*"; }
+
+no_cuda=$("$PY" -c 'import torch; print("" if torch.cuda.is_available() else
+             "torch.cuda.is_available() is False")' 2>/dev/null || echo "$PY cannot import torch")
+if [[ -n "$no_cuda" ]]; then
+    echo "gpu_check: no CUDA device ($no_cuda); nothing to check"
+    exit 0
+fi
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
@@ -53,5 +67,14 @@ set -e
 
 step "bandwidth: device <-> pinned host, memcpy and kernel strategies vs cudaMemcpy"
 timeout 150 "$PY" benchmarks/copy_blocks.py --device cuda --out "$RESULTS/copy_cuda.json"
+
+step "worker copy engine: layouts, round trips, step bandwidth, layer-wise overlap"
+set +e
+timeout 90 "$PY" benchmarks/gpu_worker_check.py --out "$RESULTS/worker_cuda.json" \
+    >"$RESULTS/gpu_worker.log" 2>&1
+rc=$?
+set -e
+grep -v '^[ {}]' "$RESULTS/gpu_worker.log" | tail -20  # per-run lines; the JSON is in the file
+[[ $rc -eq 0 ]] || { echo "gpu_check: WORKER CHECK FAILED (rc $rc, log: $RESULTS/gpu_worker.log)"; exit 1; }
 
 step "done in $((SECONDS - t0))s"

@@ -8,8 +8,15 @@ A ``CopyBackend`` is chosen once (``resolve_copy_backend``) and then routes ever
   after the work already enqueued on the current stream (so the KV being read was
   written). The returned ``CopyHandle`` wraps a ``torch.cuda.Event`` recorded behind
   the copy; the caller polls ``done()`` and must not touch the chunk or the blocks
-  until then (or makes a stream wait: ``stream.wait_event(EventHandle.event)``). The
-  layers must outlive the copy (they are the KV cache).
+  until then, or orders later GPU work after it with ``stream_wait()`` (no host sync).
+  The layers must outlive the copy (they are the KV cache).
+* Several copies issued as one unit: ``CopyBackend.batch(device)`` is ordered once,
+  when it is opened, after the current stream's work; ``mark()`` returns a handle that
+  completes when everything issued on the batch so far has (one event, not one per
+  copy). Copies issued on a batch later, e.g. between layers of the forward pass, are
+  *not* ordered after compute enqueued since the batch was opened: that is what lets a
+  layer's load overlap the previous layer's compute. ``gather``/``scatter`` are a
+  batch of one.
 * CPU copies use ``torch.get_num_threads()`` OpenMP threads (one for copies under
   256 KiB). Called from a thread other than the one running the model, that is a
   second OpenMP team competing with the model's for the same cores; calling from the
@@ -65,11 +72,20 @@ class PinnedAlloc(NamedTuple):
 
 
 class CopyHandle(Protocol):
-    """Completion of one gather/scatter."""
+    """Completion of one gather/scatter (or of a batch up to a ``mark``).
+
+    ``done()`` polls without blocking; ``wait()`` blocks the calling thread;
+    ``stream_wait()`` makes work enqueued later on the calling thread's current CUDA
+    stream wait for the copy, without blocking the host (a no-op for a copy that is
+    already complete). Any thread may poll; ``stream_wait`` belongs to the thread that
+    enqueues the work that reads the copied bytes.
+    """
 
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
+
+    def stream_wait(self) -> None: ...
 
 
 class DoneHandle:
@@ -81,18 +97,25 @@ class DoneHandle:
     def wait(self) -> None:
         return None
 
+    def stream_wait(self) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class EventHandle:
     """A CUDA copy; complete once ``event`` has been reached on the copy stream."""
 
     event: torch.cuda.Event
+    device: int
 
     def done(self) -> bool:
         return bool(self.event.query())  # type: ignore[no-untyped-call]
 
     def wait(self) -> None:
         self.event.synchronize()
+
+    def stream_wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 DONE = DoneHandle()
@@ -149,6 +172,61 @@ def copy_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)  # type: ignore[no-untyped-call]
 
 
+class CopyBatch:
+    """Copies issued as one unit on one device; see the module docstring.
+
+    CPU: each copy runs on the calling thread and is complete when the call returns;
+    ``mark()`` is ``DONE``. CUDA: opening the batch makes the copy stream wait for the
+    work already on the current stream; each copy is then enqueued on the copy stream,
+    and ``mark()`` records an event behind everything issued so far. A copy whose
+    arguments are wrong raises at the call, on every device, and enqueues nothing.
+
+    Invariant: one thread issues on a batch (it is not locked); handles may be polled
+    from anywhere.
+    """
+
+    def __init__(self, backend: CopyBackend, device: torch.device) -> None:
+        self._backend = backend
+        self._stream: torch.cuda.Stream | None = None
+        self._device = 0
+        if device.type == "cuda":
+            self._device = device.index if device.index is not None else (
+                torch.cuda.current_device())
+            self._stream = copy_stream(self._device)
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+
+    def gather(
+        self, layers: Sequence[torch.Tensor], block_ids: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copies ``block_ids`` of every layer block view into ``dst`` (chunk layout)."""
+        k = self._backend.kernels
+        self._run("gather", dst, lambda s, c: k.gather(layers, block_ids, dst, s, c))
+
+    def scatter(
+        self, src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: torch.Tensor
+    ) -> None:
+        """Writes chunk ``src`` into ``block_ids`` of every layer block view."""
+        k = self._backend.kernels
+        self._run("scatter", src, lambda s, c: k.scatter(src, layers, block_ids, s, c))
+
+    def mark(self) -> CopyHandle:
+        """A handle that completes once every copy issued so far has."""
+        if self._stream is None:
+            return DONE
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return EventHandle(event, self._device)
+
+    def _run(self, direction: Direction, chunk: torch.Tensor,
+             run: Callable[[int, int], None]) -> None:
+        if self._stream is None:
+            run(0, 0)
+            return
+        code = _STRATEGY_CODE[self._backend.strategy_for(direction)]
+        with torch.cuda.stream(self._stream):
+            run(self._stream.cuda_stream, code)
+        if chunk.is_cuda:
+            chunk.record_stream(self._stream)  # the caching allocator must not reuse it early
 
 
 def _gib(n: int) -> str:
@@ -168,19 +246,22 @@ class CopyBackend:
         self, layers: Sequence[torch.Tensor], block_ids: torch.Tensor, dst: torch.Tensor
     ) -> CopyHandle:
         """Copies ``block_ids`` of every layer block view into ``dst`` (chunk layout)."""
-        return self._launch(
-            "gather", layers, dst,
-            lambda stream, code: self.kernels.gather(layers, block_ids, dst, stream, code),
-        )
+        batch = self.batch(layers[0].device if layers else dst.device)
+        batch.gather(layers, block_ids, dst)
+        return batch.mark()
 
     def scatter(
         self, src: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: torch.Tensor
     ) -> CopyHandle:
         """Writes chunk ``src`` into ``block_ids`` of every layer block view."""
-        return self._launch(
-            "scatter", layers, src,
-            lambda stream, code: self.kernels.scatter(src, layers, block_ids, stream, code),
-        )
+        batch = self.batch(layers[0].device if layers else src.device)
+        batch.scatter(src, layers, block_ids)
+        return batch.mark()
+
+    def batch(self, device: torch.device) -> CopyBatch:
+        """A ``CopyBatch`` on ``device`` (the KV cache's), ordered after the current
+        stream's work as of now."""
+        return CopyBatch(self, device)
 
     def alloc_pinned(self, nbytes: int, *, hint: str | None = None) -> PinnedAlloc:
         """``nbytes`` of page-aligned, pre-touched host memory, pinned where CUDA is.
@@ -209,25 +290,6 @@ class CopyBackend:
         if self.cuda_strategy == "auto":
             return DEFAULT_CUDA_STRATEGY[direction]
         return self.cuda_strategy
-
-    def _launch(
-        self, direction: Direction, layers: Sequence[torch.Tensor], chunk: torch.Tensor,
-        run: Callable[[int, int], None],
-    ) -> CopyHandle:
-        device = layers[0].device if layers else chunk.device
-        if device.type != "cuda":
-            run(0, 0)
-            return DONE
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = copy_stream(index)
-        stream.wait_stream(torch.cuda.current_stream(index))
-        with torch.cuda.stream(stream):
-            run(stream.cuda_stream, _STRATEGY_CODE[self.strategy_for(direction)])
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        if chunk.is_cuda:
-            chunk.record_stream(stream)  # the caching allocator must not reuse it early
-        return EventHandle(event)
 
 
 @functools.cache

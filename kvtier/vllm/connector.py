@@ -18,7 +18,6 @@ shows them on the API server's ``/metrics``.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,7 +33,7 @@ from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import parse_extra_config
 from kvtier.vllm.shm import pool_path
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.vllm.worker_side import WorkerSide
+from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +81,7 @@ class KVTierConnector(KVConnectorBase_V1):
         path = pool_path(engine_id, ns.tp_rank)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._step_blocks: tuple[int, int] | None = None  # worker: (loaded, saved) this step
         enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
@@ -139,27 +139,34 @@ class KVTierConnector(KVConnectorBase_V1):
         w.register(kv_caches, backend_cls, layout, int(self._kv_cache_config.num_blocks))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Issues this step's loads (layer by layer) and saves; waits for neither.
+
+        vLLM calls it on the model thread before the forward when the step has loads
+        (``has_sync_kv_loads``), after it otherwise. See ``WorkerSide.run``.
+        """
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        t0 = time.perf_counter()
-        self.worker_side.run(meta)
+        self.worker_side.run(meta, layer_by_layer=forward_runs_layer_by_layer(forward_context))
         if meta.loads or meta.saves:
-            record_worker_step(
-                sum(len(op.block_ids) for op in meta.loads),
-                sum(len(op.block_ids) for op in meta.saves),
-                time.perf_counter() - t0,
-            )
+            self._step_blocks = (sum(len(op.block_ids) for op in meta.loads),
+                                 sum(len(op.block_ids) for op in meta.saves))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """Model thread, before each attention layer: its loads are ordered before it."""
+        self.worker_side.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None
+        return None  # saves are of finished requests, issued whole in start_load_kv
 
     def wait_for_save(self) -> None:
-        return None
+        """Model thread, end of the step: loads no layer wait came for are completed.
+        Saves are not waited for: ``get_finished`` reports each once it is done."""
+        seconds = self.worker_side.end_forward()
+        if self._step_blocks is not None:
+            record_worker_step(*self._step_blocks, seconds)
+            self._step_blocks = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.get_finished(finished_req_ids)

@@ -21,16 +21,14 @@ Thread safety: stateless; call from the thread that builds or closes a side.
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
-from kvtier.hostmem import HostMemoryError, create_shared
 from kvtier.hostmem import remove_shared as remove_pool
 from kvtier.tiers.base import TierError
-from kvtier.tiers.pool import CAPACITY, HostPool
+from kvtier.tiers.pool import HostPool
 
-__all__ = ["SHM_DIR", "attach_host_pool", "create_pool", "pool_path", "remove_pool"]
+__all__ = ["SHM_DIR", "attach_host_pool", "pool_path", "remove_pool"]
 
 SHM_DIR = Path(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"))
 
@@ -38,15 +36,6 @@ SHM_DIR = Path(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"))
 def pool_path(engine_id: str, tp_rank: int) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
     return SHM_DIR / f"kvtier-{safe}-rank{tp_rank}"
-
-
-def create_pool(path: Path, nbytes: int) -> mmap.mmap:
-    """Create, size and pre-fault a shared pool file of ``nbytes`` (a bare mapping; the
-    worker's ``HostPool.create_shm`` does this and the page-locking in one call)."""
-    try:
-        return create_shared(path, nbytes, setting=CAPACITY)
-    except HostMemoryError as e:
-        raise TierError(str(e)) from e
 
 
 def attach_host_pool(path: Path, slot_bytes: int, num_slots: int) -> HostPool:

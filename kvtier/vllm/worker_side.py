@@ -1,53 +1,97 @@
 """Worker side of the connector: the bytes. Owns the KV cache views and the host pool.
 
-It creates the shared host pool (see ``shm.py``), and each step executes the scheduler's
-``CopyOp``s with the copy backend (``copy_backend``: native ops or the torch reference):
-loads (host slot -> KV blocks) before the forward pass, saves (KV blocks -> host slot)
-for finished requests whose blocks vLLM keeps allocated until we report them.
+It creates the shared host pool (``HostPool.create_shm``; see ``shm.py``) and maps
+vLLM's worker hooks onto the copy engine, ``kvtier.ops.stepcopy.StepCopier``
+(``copy_backend``: native ops or the torch reference). Every method runs on vLLM's model
+thread, in this order each step:
+
+* ``run`` (``start_load_kv``): issues the step's loads (host slot -> KV blocks, layer by
+  layer) and saves (KV blocks -> host slot, of finished requests whose blocks vLLM keeps
+  allocated until we report them); waits for neither.
+* ``wait_for_layer`` (``wait_for_layer_load``): that layer's loads are ordered before the
+  attention vLLM enqueues next (CUDA: the compute stream waits for the layer's event;
+  CPU: the layer is copied now).
+* ``end_forward`` (``wait_for_save``): loads of layers no wait came for are completed.
+* ``get_finished``, ``load_errors``, ``worker_meta``: what is done, reported once.
 
 Invariants: the layout comes from the attention backend's declaration
 (``kvtier.ops.layout_from_backend``), never from probing; the chunk size it implies must
-equal the scheduler's, or start-up fails. A copy that raises is reported (load errors
-make vLLM recompute those blocks; failed saves are never committed).
+equal the scheduler's, or start-up fails. No work enqueued after ``end_forward`` (and no
+attention after its layer's wait) reads a block whose load is pending. A request is
+reported finished only when its save's copies are complete, and a step's loads only when
+theirs are (the scheduler then frees blocks, commits slots, releases holds). A copy that
+raises is reported (load errors make vLLM recompute those blocks; failed saves are never
+committed). State held: saves not yet reported and steps still copying, nothing else.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
+from vllm.config import CUDAGraphMode
 
 from kvtier.config import KVTierConfig
 from kvtier.ops import CopyBackend, KVLayout, layout_from_backend, resolve_copy_backend
-from kvtier.ops.reference import register_pinned
+from kvtier.ops.backend import CopyHandle
+from kvtier.ops.stepcopy import (
+    Batches,
+    Issue,
+    LayerLoads,
+    SaveFailed,
+    StepCopier,
+    default_issue,
+)
 from kvtier.tiers.base import TierError
-from kvtier.tiers.pool import PINNED_UNAVAILABLE
+from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.vllm.shm import create_pool, remove_pool
+from kvtier.vllm.shm import remove_pool
 
 log = logging.getLogger("kvtier.vllm")
 
 
 class WorkerSide:
     def __init__(
-        self, cfg: KVTierConfig, geometry: Geometry, layer_names: list[str], pool_path: Any
+        self, cfg: KVTierConfig, geometry: Geometry, layer_names: list[str], pool_path: Any,
+        *, batches: Batches | None = None, issue: Issue | None = None,
     ) -> None:
+        """``batches`` replaces the copy backend's batches (tests: controllable handles);
+        ``issue`` how loads are issued (default ``default_issue``: per layer, all at
+        once, on CUDA; whole chunks on the CPU; see ``kvtier.ops.stepcopy``)."""
         self.cfg = cfg
         self.geom = geometry
         self.layer_names = layer_names
         self.pool_path = pool_path
         self.bpc = geometry.blocks_per_chunk(cfg.chunk_tokens)
         self.backend: CopyBackend = resolve_copy_backend(cfg.copy_backend)
+        self._batches: Batches = batches if batches is not None else self.backend
+        self._issue = issue
         self.views: list[torch.Tensor] = []
         self.slot_bytes = 0
-        self._pool_map: Any = None
+        self.host_pool: HostPool | None = None
         self.pool: torch.Tensor | None = None
-        self._saved: set[str] = set()
-        self._failed_saves: set[str] = set()
-        self._loaded_steps: list[int] = []
+        self._copier: StepCopier | None = None
+        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        # Loads: this step's (until wait_for_save), then copying until done (CUDA).
+        self._loads: LayerLoads | None = None
+        self._loads_step = 0
+        self._loading: list[tuple[int, LayerLoads]] = []
         self._load_errors: set[int] = set()
+        self._waited = [False] * len(layer_names)  # layers vLLM waited for this step
+        self._per_layer_seen = False  # a forward waited for every layer: go layer-wise
+        self._per_layer_broken = False  # a layer-wise step missed a wait: never again
+        self._said_layer_wise = False
+        self._copy_s = 0.0
+        # Saves: each request id is in at most one of these at a time, except _failed
+        # (a subset of _in_flight | _saved) and _finished (a subset of _in_flight).
+        self._in_flight: dict[str, CopyHandle] = {}  # copying; the last op's handle
+        self._saved: set[str] = set()  # copied (or failed), finished id not seen yet
+        self._finished: set[str] = set()  # finished id seen, still copying
+        self._failed: set[str] = set()  # failed, not reported yet
+        self._failed_saves: set[str] = set()  # failed, reported this step
 
     def register(
         self,
@@ -77,84 +121,163 @@ class WorkerSide:
                 f"kvtier: the KV tensors give {self.slot_bytes}-byte chunks but the KV cache "
                 f"spec says {expected}; this attention backend's layout is not supported"
             )
-        num_slots = self.cfg.host.capacity // self.slot_bytes
-        if num_slots == 0:
-            raise TierError(
-                f"tiers[0].host.capacity: {self.cfg.host.capacity} bytes hold no "
-                f"{self.slot_bytes}-byte chunk; raise it or lower chunk_tokens"
-            )
-        self._pool_map = create_pool(self.pool_path, num_slots * self.slot_bytes)
-        self.pool = torch.frombuffer(self._pool_map, dtype=torch.uint8)
-        pinned = False
-        if self.cfg.host.pinned != "no":
-            pinned = register_pinned(self.pool, owner=self._pool_map)  # H2D/D2H DMA on CUDA
-        if self.cfg.host.pinned == "yes" and not pinned:
-            raise TierError(PINNED_UNAVAILABLE)
+        num_slots = HostPool.slots_for(self.cfg.host.capacity, self.slot_bytes)
+        # Sized, faulted in and page-locked as configured (`pinned: yes` fails here); the
+        # scheduler side maps the same file with HostPool.attach_shm and the same count.
+        self.host_pool = HostPool.create_shm(
+            self.pool_path, self.slot_bytes, num_slots, pinned=self.cfg.host.pinned
+        )
+        self.pool = torch.from_numpy(self.host_pool.array)  # the same mapping, no copy
+        pinned = self.host_pool.pinned
+        issue = self._issue
+        if issue is None:
+            issue = default_issue(self.views[0].device, len(self.views))
+        self._copier = StepCopier(self._batches, self.views, self.pool, self.slot_bytes,
+                                  self.bpc, issue)
         log.info(
             "kvtier worker: %d layers, %d slots of %.1f MiB (%s), copy backend %s (%s)",
             len(self.views), num_slots, self.slot_bytes / 2**20,
             "pinned" if pinned else "pageable", self.backend.name, self.backend.reason,
         )
 
-    # -- per step -------------------------------------------------------------------------
-    def _slot(self, slot: int) -> torch.Tensor:
-        assert self.pool is not None
-        return self.pool[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+    @property
+    def copier(self) -> StepCopier:
+        assert self._copier is not None, "register() first"
+        return self._copier
 
-    def _load(self, op: CopyOp) -> None:
-        ids = torch.tensor(op.block_ids, dtype=torch.int64)
-        src = self._slot(op.slot)
-        if op.first != 0 or len(op.block_ids) != self.bpc:
-            # A partial chunk: its blocks are strided in the layer-major chunk layout
-            # (layer, outer, block, inner), so gather them into one contiguous piece.
-            rows = src.view(len(self.views) * int(self.views[0].shape[0]), self.bpc, -1)
-            src = rows[:, op.first : op.first + len(op.block_ids)].contiguous().view(-1)
-        self.backend.scatter(src, self.views, ids).wait()
+    # -- per step: vLLM's model thread ------------------------------------------------
+    def run(self, meta: KVTierMetadata, *, layer_by_layer: bool) -> None:
+        """``start_load_kv``: issue this step's loads and saves; returns without waiting.
 
-    def _save(self, op: CopyOp) -> None:
-        ids = torch.tensor(op.block_ids, dtype=torch.int64)
-        self.backend.gather(self.views, ids, self._slot(op.slot)).wait()
+        Loads go layer by layer (``StepCopier``) when ``layer_by_layer`` (the forward
+        runs attention eagerly, so vLLM will call ``wait_for_layer_load``) and this
+        worker has seen a forward in which vLLM called it for every KV layer; otherwise
+        every load is ordered before the forward here.
+        """
+        t0 = time.perf_counter()
+        if self._loads is not None:  # no wait_for_save since the last step: be safe
+            self.end_forward()
+        loads = self.copier.start_loads(meta.loads)
+        if not loads.empty:
+            self._loads, self._loads_step = loads, meta.step
+            if not (layer_by_layer and self._per_layer_seen):
+                loads.finish()
+            elif not self._said_layer_wise:
+                self._said_layer_wise = True
+                log.info("kvtier worker: loads are waited for layer by layer (issue %s, %d "
+                         "layers)", self.copier.issue, self.copier.num_layers)
+        self._start_saves(meta.saves)
+        self._copy_s += time.perf_counter() - t0
 
-    def run(self, meta: KVTierMetadata) -> None:
-        for op in meta.loads:
-            try:
-                self._load(op)
-            except Exception:
-                log.exception("kvtier: load into blocks %s failed; vLLM recomputes", op.block_ids)
-                self._load_errors.update(op.block_ids)
-        if meta.loads:
-            self._loaded_steps.append(meta.step)
-        for op in meta.saves:
-            try:
-                self._save(op)
-            except Exception:
-                log.exception("kvtier: save of %s failed; not stored", op.req_id)
-                self._failed_saves.add(op.req_id)
-            self._saved.add(op.req_id)
+    def wait_for_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: the layer's loaded blocks are in place before the
+        attention vLLM enqueues next. A name outside the KV cache group completes every
+        load (correct, not pipelined)."""
+        i = self._layer_index.get(layer_name)
+        if i is not None:
+            self._waited[i] = True
+        if self._loads is None:
+            return
+        t0 = time.perf_counter()
+        if i is None:
+            self._loads.finish()
+        else:
+            self._loads.wait_layer(i)
+        self._copy_s += time.perf_counter() - t0
+
+    def end_forward(self) -> float:
+        """``wait_for_save``: completes (orders) loads of layers no wait came for, and
+        returns the seconds this thread spent on the step's copies."""
+        t0 = time.perf_counter()
+        seen_all = all(self._waited)
+        if self._loads is not None:
+            skipped = self._loads.finish()
+            if skipped and not self._per_layer_broken:
+                self._per_layer_broken = True
+                log.error(
+                    "kvtier: vLLM ran a forward without wait_for_layer_load for layers %s; "
+                    "their loads were completed after it. Loads now complete before the "
+                    "forward (not layer by layer)", [self.layer_names[j] for j in skipped])
+            self._load_errors |= self._loads.failed_blocks()
+            self._loading.append((self._loads_step, self._loads))
+            self._loads = None
+        self._per_layer_seen = (self._per_layer_seen or seen_all) and not self._per_layer_broken
+        self._waited = [False] * len(self.layer_names)
+        seconds = self._copy_s + time.perf_counter() - t0
+        self._copy_s = 0.0
+        return seconds
+
+    def _start_saves(self, ops: list[CopyOp]) -> None:
+        for op, result in zip(ops, self.copier.start_saves(ops), strict=True):
+            if isinstance(result, SaveFailed):
+                if op.req_id not in self._failed:
+                    log.error("kvtier: save of %s failed; not stored: %s", op.req_id,
+                              result.error)
+                self._failed.add(op.req_id)
+                self._saved.add(op.req_id)  # reported once the copies issued before are done
+            else:
+                self._in_flight[op.req_id] = result  # covers its earlier ops (one stream)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Requests whose blocks vLLM may free now: finished, and their saves done.
+        """Requests whose blocks vLLM may free now: finished, and their saves complete.
 
         vLLM hands a finished request's id to the workers in the same step as the
         metadata carrying its saves (``Scheduler.schedule`` builds both from one
-        ``_free_request``), and ``run`` executes those saves before this is called. So a
-        finished id with no save by now never gets one and is not remembered; only
-        saves of requests not yet reported finished wait here. Nothing grows per request.
+        ``_free_request``), and ``run`` issues those saves before this is called. A
+        finished id with no save by now never gets one and is not remembered. A save
+        still copying (CUDA) keeps its id until its handle is done: vLLM keeps the blocks
+        allocated until then (delayed free), and the scheduler commits the slot only when
+        the id is reported here. A failed save is reported like a done one (its blocks are
+        free to go), in the same step as its id in ``worker_meta().failed_saves``, so the
+        scheduler aborts it. State held: only saves not yet reported.
         """
-        done = self._saved & finished_req_ids
-        self._saved -= done
-        return (done or None), None
+        self._finished |= finished_req_ids & self._in_flight.keys()
+        for rid, handle in list(self._in_flight.items()):
+            if handle.done():
+                del self._in_flight[rid]
+                self._saved.add(rid)
+        ready = self._saved & ((finished_req_ids | self._finished) - self._in_flight.keys())
+        self._saved -= ready
+        self._finished -= ready
+        self._failed_saves |= ready & self._failed
+        self._failed -= ready
+        return (ready or None), None
 
     def load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
 
     def worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not self._loaded_steps and not self._failed_saves:
+        """Steps whose loads are complete (their host slots may be released) and saves
+        that failed, reported with their ids in this step's ``get_finished``."""
+        loaded = [step for step, loads in self._loading if loads.done()]
+        if loaded:
+            self._loading = [(s, ld) for s, ld in self._loading if s not in loaded]
+        if not loaded and not self._failed_saves:
             return None
-        meta = KVTierWorkerMetadata(self._loaded_steps, sorted(self._failed_saves))
-        self._loaded_steps, self._failed_saves = [], set()
+        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves))
+        self._failed_saves = set()
         return meta
+
+    def held(self) -> dict[str, int]:
+        """How much per-request and per-step state is held (tests, debugging)."""
+        return {"saves_in_flight": len(self._in_flight), "saves_unreported": len(self._saved),
+                "finished_waiting": len(self._finished), "failed_unreported": len(self._failed),
+                "loads_copying": len(self._loading) + (self._loads is not None),
+                "load_errors": len(self._load_errors)}
 
     def close(self) -> None:
         remove_pool(self.pool_path)
+
+
+def forward_runs_layer_by_layer(forward_context: Any) -> bool:
+    """Whether vLLM will call ``wait_for_layer_load`` in this step's forward.
+
+    Not when there is no forward (no attention metadata: a step that only moves KV) or
+    when the forward replays a full CUDA graph (attention is inside the graph, so the
+    per-layer hooks do not run; vLLM 0.32's ``maybe_transfer_kv_layer``).
+    """
+    if forward_context is None or getattr(forward_context, "attn_metadata", None) is None:
+        return False
+    mode = getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE)
+    return bool(mode != CUDAGraphMode.FULL)
