@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from kvtier.clock import ManualClock
 from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, SchedulerSide
@@ -28,3 +31,25 @@ def ask(sched: SchedulerSide, req: SimpleNamespace, num_computed: int = 0) -> in
         for f in pending:
             f.exception()  # IO threads: let them finish, then ask again
     return n
+
+
+#: A hook "returns at once" within this: generous for a shared 2-core machine, far below
+#: any storage wait the hung-tier tests provoke.
+HOOK_BUDGET_S = 0.05
+
+
+def request_of(rid: str, seed: int, chunk_tokens: int, chunks: int = 3) -> SimpleNamespace:
+    """A request as the scheduler side sees it: ``chunks`` full chunks of random tokens
+    (from ``seed``) and a partial one."""
+    toks = list(np.random.default_rng(seed).integers(3, 500, chunks * chunk_tokens + 7))
+    return SimpleNamespace(request_id=rid, num_tokens=len(toks), all_token_ids=toks,
+                           kv_transfer_params=None, cache_salt=None, lora_request=None,
+                           mm_features=None, prompt_embeds=None, num_computed_tokens=0)
+
+
+def at_once(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, asserting it returned within ``HOOK_BUDGET_S`` (waited on nothing)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    assert time.perf_counter() - t0 < HOOK_BUDGET_S, f"{fn.__name__} waited on storage"
+    return out

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from kvtier.tiers.file import FileTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
 from tests.conftest import cephfs_dir, other_node
-from tests.vllm.hooks import ask
+from tests.vllm.hooks import ask, at_once, request_of
 
 pytestmark = pytest.mark.ceph
 
@@ -37,7 +36,6 @@ CT = 128
 GEOM = Geometry(2, 2, 64, CT, 4096, "float32")
 NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
                num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=CT, block_size=CT)
-HOOK_BUDGET_S = 0.05  # "returns at once": generous for a shared 2-core machine
 RECOVERY_S = 60.0  # how long the daemons may take to answer again after SIGCONT
 
 
@@ -61,52 +59,38 @@ def env(ceph: CephCluster) -> Iterator[tuple[SchedulerSide, Path, ManualClock]]:
         sched.close()
 
 
-def _request(rid: str, seed: int) -> SimpleNamespace:
-    toks = list(np.random.default_rng(seed).integers(3, 500, 3 * CT + 7))
-    return SimpleNamespace(request_id=rid, num_tokens=len(toks), all_token_ids=toks,
-                           kv_transfer_params=None, cache_salt=None, lora_request=None,
-                           mm_features=None, prompt_embeds=None, num_computed_tokens=0)
-
-
-def _timed(fn: Any, *args: Any) -> Any:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    assert time.perf_counter() - t0 < HOOK_BUDGET_S, f"{fn.__name__} waited on storage"
-    return out
-
-
 def test_hooks_never_wait_on_a_hung_cephfs_and_restore_resumes_after(
     env: Any, ceph: CephCluster
 ) -> None:
     sched, root, clock = env
     # Another node stored the prompt's chunks, through its own mount.
-    r1 = _request("r1", 1)
+    r1 = request_of("r1", 1, CT)
     keys = chunk_keys(NS.digest(), r1.all_token_ids, CT)
     node2 = FileTier(other_node(ceph, root), 1 << 30)
     for c in range(3):
         node2.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8).data)
 
     ceph.pause("mds", "osd")  # calls into the mount that need either block from now on
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (None, False)  # probing
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (None, False)  # probing
     probe = sched._probes["r1"].future
     clock.advance(0.5)
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (None, False)
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (None, False)
     with pytest.raises(FuturesTimeout):  # the probe really is stuck in the frozen mount
         probe.result(timeout=1.0)
     clock.advance(0.6)  # past restore.lookup_timeout_seconds: recompute
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (0, False)
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (0, False)
     for i in range(2, 5):  # new prompts meanwhile: answered at once, then recomputed
-        r = _request(f"r{i}", i)
-        first, _ = _timed(sched.get_num_new_matched_tokens, r, 0)
+        r = request_of(f"r{i}", i, CT)
+        first, _ = at_once(sched.get_num_new_matched_tokens, r, 0)
         clock.advance(1.1)
         assert first in (None, 0)
-        assert _timed(sched.get_num_new_matched_tokens, r, 0) == (0, False)
+        assert at_once(sched.get_num_new_matched_tokens, r, 0) == (0, False)
         sched.request_finished(r, [])
 
     ceph.resume("mds", "osd")
     probe.result(RECOVERY_S)  # the stuck call returns once the filesystem answers
     clock.advance(11)  # past any cooldown the hang caused
-    r1b = _request("r1b", 1)
+    r1b = request_of("r1b", 1, CT)
     deadline = time.monotonic() + RECOVERY_S
     while (got := ask(sched, r1b)) != 3 * CT:  # the first trial may still meet the backlog
         assert time.monotonic() < deadline, f"never restored again after the hang ({got})"

@@ -10,7 +10,6 @@ wall-clock bounds below only check that no hook waited on the tier.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,13 +28,12 @@ from kvtier.tiers.file import FileTier
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
-from tests.vllm.hooks import ask
+from tests.vllm.hooks import ask, at_once, request_of
 
 CT = 128
 GEOM = Geometry(2, 2, 64, CT, 4096, "float32")
 NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
                num_layers=2, num_kv_heads=2, head_size=64, chunk_tokens=CT, block_size=CT)
-HOOK_BUDGET_S = 0.05  # "returns at once": generous for a shared 2-core machine
 
 
 class HungTier(FileTier):
@@ -88,60 +86,46 @@ def env(tmp_path: Path) -> Iterator[tuple[SchedulerSide, HungTier, ManualClock, 
     sched.close()
 
 
-def _request(rid: str, seed: int) -> SimpleNamespace:
-    toks = list(np.random.default_rng(seed).integers(3, 500, 3 * CT + 7))
-    return SimpleNamespace(request_id=rid, num_tokens=len(toks), all_token_ids=toks,
-                           kv_transfer_params=None, cache_salt=None, lora_request=None,
-                           mm_features=None, prompt_embeds=None, num_computed_tokens=0)
-
-
-def _timed(fn: Any, *args: Any) -> Any:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    assert time.perf_counter() - t0 < HOOK_BUDGET_S, f"{fn.__name__} waited on storage"
-    return out
-
-
 def test_every_hook_returns_at_once_and_serving_goes_on_while_a_tier_hangs(env: Any) -> None:
     sched, hung, clock, gate = env
     breaker = sched.store.breakers[0]
     # Another node stored this prompt's chunks; only the (hung) tier can say so.
     other = FileTier(hung.root, 1 << 30)
-    r1 = _request("r1", 1)
+    r1 = request_of("r1", 1, CT)
     keys = chunk_keys(NS.digest(), r1.all_token_ids, CT)
     for c in range(3):
         other.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8).data)
 
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (None, False)  # probing
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (None, False)  # probing
     assert hung.entered.wait(10), "the probe runs on an IO thread, and hangs there"
     first_probe = sched._probes["r1"].future
     clock.advance(0.5)
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (None, False)
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (None, False)
     clock.advance(0.6)  # past restore.lookup_timeout_seconds: recompute
-    assert _timed(sched.get_num_new_matched_tokens, r1, 0) == (0, False)
+    assert at_once(sched.get_num_new_matched_tokens, r1, 0) == (0, False)
 
     # The request runs; finishing it queues a write-through that hangs too.
     blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],))
-    _timed(sched.update_state_after_alloc, r1, blocks, 0)
-    _timed(sched.build_meta)
+    at_once(sched.update_state_after_alloc, r1, blocks, 0)
+    at_once(sched.build_meta)
     r1.num_computed_tokens = r1.num_tokens
-    delay, _ = _timed(sched.request_finished, r1, [0, 1, 2])
+    delay, _ = at_once(sched.request_finished, r1, [0, 1, 2])
     assert delay
-    _timed(sched.build_meta)
-    _timed(sched.on_worker_output, {"r1"}, KVTierWorkerMetadata())
+    at_once(sched.build_meta)
+    at_once(sched.on_worker_output, {"r1"}, KVTierWorkerMetadata())
 
     # A new prompt while the tier still hangs: its reads are at their bound, so the
     # indexes answer at once: no probe, no wait.
-    r2 = _request("r2", 2)
-    assert _timed(sched.get_num_new_matched_tokens, r2, 0) == (0, False)
+    r2 = request_of("r2", 2, CT)
+    assert at_once(sched.get_num_new_matched_tokens, r2, 0) == (0, False)
 
     clock.advance(5)  # the hung calls are past health.slow_seconds: the tier is down
     assert not sched.store.can_probe() and not breaker.up
-    r3 = _request("r3", 3)
-    assert _timed(sched.get_num_new_matched_tokens, r3, 0) == (0, False)
+    r3 = request_of("r3", 3, CT)
+    assert at_once(sched.get_num_new_matched_tokens, r3, 0) == (0, False)
 
     # r1's chunks are in the host tier: a returning r1 is served from there meanwhile.
-    r1b = _request("r1b", 1)
+    r1b = request_of("r1b", 1, CT)
     assert ask(sched, r1b) == 3 * CT
     sched.request_finished(r1b, [])  # aborted before allocation: its holds are released
 
@@ -149,7 +133,7 @@ def test_every_hook_returns_at_once_and_serving_goes_on_while_a_tier_hangs(env: 
     sched.store.flush(10)
     first_probe.result(10)  # the calls that hung have all returned
     clock.advance(10)  # past the cooldown: the next probe is the trial call
-    r4 = _request("r4", 1)
+    r4 = request_of("r4", 1, CT)
     r4.request_id = "r4"
     assert sched.store.host.delete(keys) == 3  # only the tier has r1's prompt now
     assert ask(sched, r4) == 3 * CT
