@@ -24,10 +24,10 @@ Invariants:
   whole slots, so a short or foreign chunk would hand it stale bytes. A mismatch is a
   counted corruption and a miss that ends the prefix; the lower tiers also remove the object
   (only if it is still the one read).
-* ``load`` never trusts a stale lookup: a host entry evicted since is a counted miss, read
-  from a lower tier whose index knows it (memory only) if any, else the end of the prefix;
-  an object gone from the tier named is a counted miss that ends the prefix (recompute).
-  Never a wrong chunk, and never a second round of asking the tiers.
+* ``load`` never trusts a stale lookup: a host entry evicted since, or an object gone from
+  the tier named, is a counted miss there, then read from the next lower tier whose index
+  knows it (memory only) if any, else the end of the prefix (recompute). Never a wrong
+  chunk, and a tier's own answer is asked only where the lookup or that fallback points.
 * ``load`` leaks nothing: a promotion slot is committed or aborted, never left WRITING, and
   a future that fails (only a bug can make it) holds no slots; one that succeeds holds
   exactly the slots in its ``Held``, to be released once.

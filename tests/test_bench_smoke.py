@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str) -> str:
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
+from tests.benchrun import run_benchmark
 
 
 def test_tiers_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tiers.json"
-    text = _run("benchmarks/tiers.py", "--total", "8MiB", "--chunk", "1MiB", "--reps", "1",
+    text = run_benchmark("benchmarks/tiers.py", "--total", "8MiB", "--chunk", "1MiB", "--reps", "1",
                 "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert {(r["path"], r["op"]) for r in rows} == {
@@ -32,7 +23,7 @@ def test_tiers_benchmark_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_restore_vs_recompute_smoke(tmp_path: Path) -> None:
-    text = _run("benchmarks/restore_vs_recompute.py", "--preset", "tiny", "--lengths",
+    text = run_benchmark("benchmarks/restore_vs_recompute.py", "--preset", "tiny", "--lengths",
                 "512,1024", "--tiers", "host,file", "--out-dir", str(tmp_path),
                 "--cache-dir", str(tmp_path / "models"))
     rows = [json.loads(line) for line in (tmp_path / "restore_vs_recompute.jsonl").open()]

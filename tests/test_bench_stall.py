@@ -10,24 +10,20 @@ depends on the machine and on the restore path's timeouts.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.benchrun import run_benchmark
+
 PHASES = ("healthy", "hung", "recovered")
 KINDS = ("new", "returning")
 
 
 @pytest.mark.vllm
 def test_stall_benchmark_smoke(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "benchmarks/stall.py", "--smoke", "--out-dir", str(tmp_path),
-         "--cache-dir", str(tmp_path / "models")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_benchmark("benchmarks/stall.py", "--smoke", "--out-dir", str(tmp_path),
+                           "--cache-dir", str(tmp_path / "models"), timeout=600)
     report = json.loads((tmp_path / "stall.json").read_text())
 
     assert [(row["phase"], row["kind"]) for row in report["rows"]] == [
@@ -48,4 +44,4 @@ def test_stall_benchmark_smoke(tmp_path: Path) -> None:
     names = [t["name"] for t in report["targets"]]
     assert len(names) == 3 and any("identical to a recompute" in n for n in names)
     assert all(isinstance(t["pass"], bool) for t in report["targets"])
-    assert "vs healthy" in r.stdout and "targets (issue 10)" in r.stdout
+    assert "vs healthy" in stdout and "targets (issue 10)" in stdout

@@ -6,22 +6,17 @@ Numbers are not checked, the shape is: what ``auto`` decides depends on the mach
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.benchrun import run_benchmark
 
 
 @pytest.mark.vllm
 def test_threshold_benchmark_smoke(tmp_path: Path) -> None:
-    r = subprocess.run(
-        [sys.executable, "benchmarks/threshold.py", "--smoke", "--out-dir", str(tmp_path),
-         "--cache-dir", str(tmp_path / "models")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stdout = run_benchmark("benchmarks/threshold.py", "--smoke", "--out-dir", str(tmp_path),
+                           "--cache-dir", str(tmp_path / "models"), timeout=600)
     report = json.loads((tmp_path / "threshold.json").read_text())
     rows = report["rows"]
     assert [(row["tokens"], row["tier"]) for row in rows] == [
@@ -34,4 +29,4 @@ def test_threshold_benchmark_smoke(tmp_path: Path) -> None:
         assert all(0 < n <= row["tokens"] - 128 for n in row["restore_restored"])
         assert row["auto_vs_oracle"] > 0
     assert (tmp_path / "threshold.png").stat().st_size > 0
-    assert "auto/rec" in r.stdout
+    assert "auto/rec" in stdout

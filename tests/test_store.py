@@ -331,12 +331,19 @@ class _CountingFile(FileTier):
         return super().contains_prefix(keys)
 
 
-def test_load_reads_from_the_tier_the_lookup_named_and_asks_none(tmp_path: Path) -> None:
+def _two_file_tiers(tmp_path: Path) -> tuple[TieredStore, _CountingFile, _CountingFile]:
+    """A store of host + two write-through directory tiers (upper, then lower)."""
     host = HostTier(4 * PAYLOAD, PAYLOAD)
     upper = _CountingFile(tmp_path / "f1", 1 << 30, clock=ManualClock())
     lower = _CountingFile(tmp_path / "f2", 1 << 30, clock=ManualClock())
     s = TieredStore(host, [LowerTier(upper, WritePolicy.THROUGH),
                            LowerTier(lower, WritePolicy.THROUGH)], IOPool(2, 64))
+    return s, upper, lower
+
+
+def test_load_reads_from_the_tier_the_lookup_named_and_asks_none(tmp_path: Path) -> None:
+    s, upper, lower = _two_file_tiers(tmp_path)
+    host = s.host
     try:
         key = make_key(1)
         lower.put(meta_for(key), payload_for(key).data)
@@ -374,11 +381,8 @@ def test_host_entry_evicted_since_the_lookup_is_read_below(through: TieredStore)
 def test_object_gone_since_the_lookup_is_read_from_the_next_tier_down(tmp_path: Path) -> None:
     """Another node's collector removed the chunks from the shared directory; the S3-like
     tier below still has them: the load reads them there instead of recomputing."""
-    host = HostTier(4 * PAYLOAD, PAYLOAD)
-    upper = FileTier(tmp_path / "f1", 1 << 30, clock=ManualClock())
-    lower = FileTier(tmp_path / "f2", 1 << 30, clock=ManualClock())
-    s = TieredStore(host, [LowerTier(upper, WritePolicy.THROUGH),
-                           LowerTier(lower, WritePolicy.THROUGH)], IOPool(2, 64))
+    s, upper, lower = _two_file_tiers(tmp_path)
+    host = s.host
     try:
         keys = [make_key(i) for i in range(3)]
         for key in keys:
