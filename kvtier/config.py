@@ -212,6 +212,10 @@ class KVTierConfig(_Model):
     #: Write dirty host chunks to the write-back tiers once the engine has been idle this
     #: many seconds (so a stopped server keeps its cache). 0 disables it.
     idle_flush_seconds: float = Field(2.0, ge=0)
+    #: The oldest a dirty host chunk may get before it is queued to the write-back tiers,
+    #: busy engine or not (the kernel's dirty_expire): a stop at any moment loses at most
+    #: this much. 0 disables the bound (only spills, idle and shutdown flushes write).
+    max_dirty_seconds: float = Field(10.0, ge=0)
 
     @field_validator("tiers")
     @classmethod

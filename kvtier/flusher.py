@@ -1,4 +1,5 @@
-"""``IdleFlusher``: write dirty host chunks below while the engine has nothing to do.
+"""``IdleFlusher``: write dirty host chunks below while the engine has nothing to do, and
+any chunk that has been dirty for longer than ``max_dirty_s`` whatever the engine does.
 
 Why: under write-back, a chunk reaches the write-back tiers only when the host pool needs
 its slot (a spill). Everything still dirty when the process ends is lost, and vLLM's API
@@ -7,6 +8,17 @@ SIGTERM: the connector's shutdown flush never runs. Writing dirty chunks when th
 is idle costs no extra bytes in the long run (write-back writes every chunk it evicts
 anyway) and no serving time (the engine is idle, and the flush uses the store queue,
 behind loads), and it leaves almost nothing dirty when a drained server is stopped.
+
+A busy engine is never idle, so the idle flush alone leaves a stop at a busy moment
+losing everything dirty. ``max_dirty_s`` bounds that, as the kernel's
+``dirty_expire_centisecs`` bounds dirty pages: every tick, chunks dirty for longer are
+queued below, busy or not, behind loads (the IO pool runs loads first) and into at most
+half of the store queue's free room (spills and write-throughs keep the rest). A stop at
+any moment then loses at most the last ``max_dirty_s`` seconds of chunks (plus whatever
+the store queue could not take). The cost: a chunk that would have stayed dirty in host
+memory until it was evicted (or overwritten by nothing) is written earlier; a chunk
+that is evicted later is then clean and costs nothing more, so extra bytes are only those
+of chunks that would never have been written at all (see README, "What survives a stop").
 
 Threads: ``busy`` is called on vLLM's scheduler thread (each engine step; memory only).
 ``tick`` runs on the flusher's own thread (or a test's); it only queues store jobs, never
@@ -30,32 +42,44 @@ class IdleFlusher:
         store: TieredStore,
         idle_s: float,
         *,
+        max_dirty_s: float = 0.0,
         batch: int = 8,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        if idle_s <= 0:
-            raise ValueError(f"idle_s must be > 0, got {idle_s}")
+        """``idle_s``: flush once idle this long (0: never for idleness); ``max_dirty_s``:
+        flush chunks dirty for longer, busy or not (0: no bound). One of them is > 0."""
+        if idle_s < 0 or max_dirty_s < 0 or not (idle_s or max_dirty_s):
+            raise ValueError(f"idle_s ({idle_s}) and max_dirty_s ({max_dirty_s}) must be "
+                             ">= 0 and not both 0")
         self.store = store
         self.idle_s = idle_s
+        self.max_dirty_s = max_dirty_s
         self.batch = batch
         self.clock = clock
         self._last_busy = clock.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.queued = 0
+        self.aged = 0  # of which queued because they were dirty for max_dirty_s
 
     def busy(self) -> None:
         """The engine did work now (scheduler thread)."""
         self._last_busy = self.clock.monotonic()
 
     def tick(self) -> int:
-        """Queue a batch of dirty chunks if the engine has been idle for ``idle_s`` and the
-        store queue is empty; returns how many were queued."""
-        if self.clock.monotonic() - self._last_busy < self.idle_s:
-            return 0
-        if self.store.io.pending()[1]:
-            return 0  # earlier writes first: never build a backlog
-        n = self.store.write_back_some(self.batch)
+        """Queue chunks dirty for ``max_dirty_s`` (busy or not, into half the store
+        queue's free room), then, if the engine has been idle for ``idle_s`` and the store
+        queue is empty, a batch of any dirty chunks. Returns how many were queued."""
+        n = 0
+        if self.max_dirty_s > 0:
+            room = self.store.io.free_store_slots() // 2
+            cutoff = self.store.host.clock.monotonic() - self.max_dirty_s
+            aged = self.store.write_back_some(max(1, room), older_than=cutoff)
+            self.aged += aged
+            n += aged
+        idle = self.idle_s > 0 and self.clock.monotonic() - self._last_busy >= self.idle_s
+        if idle and not self.store.io.pending()[1]:  # earlier writes first: no backlog
+            n += self.store.write_back_some(self.batch)
         self.queued += n
         return n
 

@@ -70,6 +70,11 @@ OP_SECONDS = Series(
     "kvtier_tier_op_seconds", _H, "Latency of one tier get or put", ("tier", "op"), _SECONDS
 )
 DROPS = Series("kvtier_drops_total", _C, "Stores dropped instead of blocking", ("reason",))
+STORE_ERRORS = Series(
+    "kvtier_store_errors_total", _C,
+    "Store jobs (write-through, spill, write-back, re-offer) that raised, by tier and kind",
+    ("tier", "kind"),
+)
 QUEUE_DEPTH = Series("kvtier_io_queue_depth", _G, "Queued I/O operations", ("queue",))
 TIER_UP = Series("kvtier_tier_up", _G, "1 while the tier is used, 0 while its breaker is open",
                  ("tier",))
@@ -109,7 +114,7 @@ SERIES: dict[str, Series] = {
     s.name: s
     for s in (
         HITS, MISSES, BYTES_WRITTEN, BYTES_READ, ERRORS, CORRUPTIONS, EVICTIONS, USED,
-        OP_SECONDS, DROPS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
+        OP_SECONDS, DROPS, STORE_ERRORS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
         RESTORED_REQUESTS, SPILLED,
         WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
         DROPPED_OBSERVATIONS,
@@ -298,6 +303,10 @@ class TierMetrics:
 
 def record_drop(reason: str) -> None:
     _add(DROPS, 1, reason)
+
+
+def record_store_error(tier: str, kind: str) -> None:
+    _add(STORE_ERRORS, 1, tier, kind)
 
 
 def set_queue_depth(queue: str, depth: int) -> None:

@@ -57,7 +57,7 @@ from kvtier.config import HealthConfig
 from kvtier.health import Breaker, TierUnavailable, breakers_for
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
-from kvtier.metrics import record_drop
+from kvtier.metrics import record_drop, record_store_error
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.tiers.base import PutStatus, SharedTier, Tier, WriteMode
 from kvtier.tiers.host import HostTier
@@ -163,6 +163,8 @@ class TieredStore:
         self._through = [lt.tier for lt in self.lower if lt.write is WritePolicy.THROUGH]
         self._inflight: set[Future[Any]] = set()
         self.drops = 0
+        self.store_errors = 0  # store jobs that raised (counted per tier and kind too)
+        self._logged_errors: set[tuple[str, str]] = set()
         #: Called on an IO thread after each verified lower-tier read into a host slot:
         #: ``(tier name, bytes, seconds)`` (the restore cost model's observations).
         self.on_read: Callable[[str, int, float], None] | None = None
@@ -267,29 +269,41 @@ class TieredStore:
         self.commit(r.slot, meta)
         return True
 
-    def reserve(self, key: ChunkKey) -> int | None:
+    def reserve(self, key: ChunkKey, *, backup: bool = False) -> int | None:
         """A host slot to fill with ``key``'s chunk (then ``commit`` with its meta, or
-        ``abort``); None if the chunk is already there (or being written) or every slot is
-        held or dirty: the caller copies nothing. Memory only."""
-        r = self.host.reserve(key)
+        ``abort``); None if the chunk is already there (or being written, unless
+        ``backup``) or every slot is held or dirty: the caller copies nothing. A backup is
+        a second slot for a chunk someone else is writing, for a caller that must not
+        depend on that other write: the first commit is published, the other is freed.
+        Memory only."""
+        r = self.host.reserve(key, backup=backup)
         return None if r is None else r.slot
 
     def holds(self, key: ChunkKey) -> bool:
-        """The host tier holds ``key`` (or is writing it). Memory only."""
-        return self.host.index.contains(key)
+        """The host tier holds ``key`` or is writing it (another request's save in
+        flight). Memory only."""
+        return self.host.index.contains(key) or self.host.index.pending(key)
+
+    def saving(self, key: ChunkKey) -> bool:
+        """``key`` is being written into a host slot and not published yet. Memory only."""
+        return self.host.index.pending(key)
 
     def abort(self, slot: int) -> None:
         """Give back a reserved slot whose copy failed; nothing is published."""
         self.host.abort(slot)
 
-    def commit(self, slot: int, meta: ChunkMeta) -> None:
-        """Publish a slot filled after ``reserve(meta.key)``; queue its lower-tier writes."""
-        self.host.commit(slot, meta, dirty=bool(self._back))
+    def commit(self, slot: int, meta: ChunkMeta) -> bool:
+        """Publish a slot filled after ``reserve(meta.key)``; queue its lower-tier writes.
+        False if another reservation of the key was published first (a backup that lost:
+        its slot is freed, nothing is queued)."""
+        if not self.host.commit(slot, meta, dirty=bool(self._back)):
+            return False
         self.host.metrics.wrote(meta.payload_len)
         for tier in self._through:
-            self._queue_write(slot, meta, [tier], spill=False)
+            self._queue_write(slot, meta, [tier], spill=False, kind="write_through")
         if self._back:
             self._spill_if_needed()
+        return True
 
     def rewrite_through(self, keys: Sequence[ChunkKey]) -> int:
         """Offer host-resident ``keys`` to every write-through tier again, as one queued job;
@@ -312,17 +326,17 @@ class TieredStore:
                     continue  # evicted since
                 slot, meta = got
                 try:
-                    self._write_slot(slot, meta, self._through)
+                    self._write_slot(slot, meta, self._through, "reoffer")
                 finally:
                     self.host.release(slot)
 
-        return len(todo) if self._submit(job) is not None else 0
+        return len(todo) if self._submit(job, "reoffer") is not None else 0
 
     def _spill_if_needed(self) -> None:
         if self.host.index.clean_or_free() >= self._reserve_slots:
             return
         for slot, meta in self.host.index.take_dirty(self._spill_batch):
-            self._queue_write(slot, meta, self._back, spill=True, held=True)
+            self._queue_write(slot, meta, self._back, spill=True, held=True, kind="spill")
 
     def _queue_write(
         self,
@@ -332,6 +346,7 @@ class TieredStore:
         *,
         spill: bool,
         held: bool = False,
+        kind: str,
     ) -> Future[Any] | None:
         """Queue a write of one host slot (``held``: the caller holds it already); the job
         releases the hold, and its result is True if every tier holds the chunk.
@@ -343,7 +358,7 @@ class TieredStore:
 
         def job() -> bool:
             try:
-                ok = self._write_slot(slot, meta, tiers)
+                ok = self._write_slot(slot, meta, tiers, kind)
                 if spill:
                     if not ok:
                         log.warning("spill of %s failed; it may be evicted", meta.key.hex())
@@ -352,14 +367,18 @@ class TieredStore:
             finally:
                 self.host.release(slot)
 
-        fut = self._submit(job)
+        fut = self._submit(job, kind)
         if fut is None:
             self.host.release(slot)
         return fut
 
-    def _write_slot(self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier]) -> bool:
+    def _write_slot(
+        self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], kind: str
+    ) -> bool:
         """Write one held host slot to ``tiers``; True if every tier now holds it. A tier
-        whose breaker is open is skipped and the write counted as dropped."""
+        whose breaker is open is skipped and the write counted as dropped; a tier whose
+        ``put`` raises is counted (``kvtier_store_errors_total{tier,kind}``, logged once
+        per tier and kind) and the other tiers are still written."""
         view = self.host.view(slot, meta.payload_len).data
         ok = True
         for tier in tiers:
@@ -370,12 +389,35 @@ class TieredStore:
                 self._drop("tier_down")
                 ok = False
                 continue
+            except Exception:
+                self._job_failed(tier.name, kind)
+                ok = False
+                continue
             ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
         return ok
 
-    def _submit(self, job: Callable[[], Any]) -> Future[Any] | None:
-        """Queue a store job; ``None`` (and a counted drop) if the store queue is full."""
-        fut = self.io.submit_store(job)
+    def _job_failed(self, tier: str, kind: str) -> None:
+        """Count a store job that raised; log its traceback once per (tier, kind). Runs on
+        an IO thread, inside the ``except`` that caught it."""
+        self.store_errors += 1
+        record_store_error(tier, kind)
+        if (tier, kind) not in self._logged_errors:
+            self._logged_errors.add((tier, kind))
+            log.exception("kvtier: %s job on tier %s failed (logged once; counted in "
+                          "kvtier_store_errors_total)", kind, tier)
+
+    def _submit(self, job: Callable[[], Any], kind: str) -> Future[Any] | None:
+        """Queue a store job; ``None`` (and a counted drop) if the store queue is full. A
+        job that raises is counted and logged (tier ``store``), never swallowed."""
+
+        def guarded() -> Any:
+            try:
+                return job()
+            except Exception:
+                self._job_failed("store", kind)
+                raise
+
+        fut = self.io.submit_store(guarded)
         if fut is None:
             self._drop("store_queue_full")
             return None
@@ -525,39 +567,36 @@ class TieredStore:
             held.release()
 
     # -- life cycle --------------------------------------------------------------------
-    def drop_host(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> int:
-        """Write dirty chunks below (bounded by ``budget_s``), then drop every unheld host
-        chunk that is not dirty. Returns how many were dropped.
+    def drop_host(self) -> int:
+        """Drop every unheld host chunk, dirty ones included; returns how many were
+        dropped. Memory only: returns at once.
 
-        What ``reset_cache`` means for kvtier: the host tier is emptied, nothing stored is
-        lost (dirty chunks are written to the write-back tiers first, or kept if the
-        budget runs out), and the lower tiers, which other nodes and restarts share, are
-        kept. Never waits past the budget, whatever a tier does.
+        What ``reset_cache`` means for kvtier: KV computed before it may not be served
+        after it (an RL trainer changed the weights), so dirty chunks are dropped, not
+        written below. A held chunk (being read or written below right now) stays until
+        its holder is done; lower tiers are kept (other nodes and restarts share them).
         """
-        deadline = clock.monotonic() + budget_s
-        self.flush(budget_s)  # write-through copies in flight read from host slots
-        self.flush_dirty(max(0.0, deadline - clock.monotonic()), clock)
-        keep_dirty = self.host.index.dirty_keys()
-        return self.host.delete(
-            [meta.key for _, meta in self.host.index.entries() if meta.key not in keep_dirty]
-        )
+        return self.host.delete([meta.key for _, meta in self.host.index.entries()])
 
-    def write_back_some(self, max_n: int) -> int:
+    def write_back_some(self, max_n: int, *, older_than: float | None = None) -> int:
         """Queue up to ``max_n`` dirty chunks, most recently used first, to the write-back
-        tiers without waiting (an idle engine's background flush). Each becomes clean once
-        every tier holds it; a failed write leaves it dirty. Returns how many were queued.
-        """
-        return len(self._write_back_batch(max_n, frozenset()))
+        tiers without waiting (an idle engine's background flush; with ``older_than``, a
+        ``host`` clock reading, only chunks dirty since before it: the bound on the age of
+        dirty data). Each becomes clean once every tier holds it; a failed write leaves it
+        dirty. Returns how many were queued; a full store queue ends the batch."""
+        return len(self._write_back_batch(max_n, frozenset(), older_than))
 
     def _write_back_batch(
-        self, max_n: int, skip: Collection[ChunkKey]
+        self, max_n: int, skip: Collection[ChunkKey], older_than: float | None = None
     ) -> dict[Future[Any], ChunkKey]:
         if not self._back:
             return {}
         jobs: dict[Future[Any], ChunkKey] = {}
-        batch = self.host.index.take_dirty(max_n, hottest_first=True, skip=skip)
+        batch = self.host.index.take_dirty(max_n, hottest_first=True, skip=skip,
+                                           older_than=older_than)
         for i, (slot, meta) in enumerate(batch):
-            fut = self._queue_write(slot, meta, self._back, spill=False, held=True)
+            fut = self._queue_write(slot, meta, self._back, spill=False, held=True,
+                                    kind="write_back")
             if fut is None:  # the store queue is full: the rest stay dirty for later
                 for rest, _ in batch[i + 1 :]:
                     self.host.release(rest)

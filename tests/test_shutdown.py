@@ -86,30 +86,89 @@ def test_a_zero_budget_closes_at_once(tmp_path: Path) -> None:
     assert tier.order == []
 
 
-def test_reset_writes_dirty_chunks_then_empties_the_host_tier(tmp_path: Path) -> None:
+def test_reset_drops_dirty_chunks_without_writing_them(tmp_path: Path) -> None:
+    # reset_cache after a weight sync: what the host holds may be the old weights' KV
     tier = RecordingTier(tmp_path / "t")
     store = _store(tier)
     try:
         keys = _fill(store, 4)
-        held = store.load(store.lookup([keys[0]])).result()  # being copied: kept, still dirty
-        assert store.drop_host(budget_s=30) == 3
+        held = store.load(store.lookup([keys[0]])).result()  # being copied: kept
+        assert store.drop_host() == 3
         held.release()
         assert store.host.contains_prefix(keys) == 1
-        assert tier.contains_prefix(keys[1:]) == 3  # nothing stored was lost
-        assert store.lookup(keys).hits == 4
+        store.flush(5)
+        assert tier.order == []  # nothing was written below
     finally:
         store.close()
 
 
-def test_reset_keeps_dirty_chunks_it_could_not_write(tmp_path: Path) -> None:
+def test_reset_returns_at_once_even_with_a_hung_tier(tmp_path: Path) -> None:
     gate = threading.Event()
-    store = _store(RecordingTier(tmp_path / "t", gate))
+    store = _store(RecordingTier(tmp_path / "t", gate), slots=10)
     try:
-        keys = _fill(store, 3)
-        assert store.drop_host(budget_s=0.2) == 0
-        assert store.host.contains_prefix(keys) == 3
+        keys = _fill(store, 10)  # the pool is full: the coldest 8 spill into the hung tier
+        t0 = time.monotonic()
+        assert store.drop_host() == 2  # the 8 being spilled are held: kept
+        assert time.monotonic() - t0 < 1.0
+        assert store.host.contains_prefix(keys) == 8
     finally:
         gate.set()
+        store.close()
+
+
+def _aging_store(tier: FileTier, clock: ManualClock, slots: int = 10) -> TieredStore:
+    host = HostTier(slots * PAYLOAD, PAYLOAD, clock=clock)
+    return TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(2, 64))
+
+
+def test_chunks_dirty_longer_than_max_dirty_are_written_on_a_busy_engine(
+    tmp_path: Path,
+) -> None:
+    clock = ManualClock()
+    tier = RecordingTier(tmp_path / "t")
+    store = _aging_store(tier, clock)
+    flusher = IdleFlusher(store, 2.0, max_dirty_s=10.0, clock=clock)
+    try:
+        old = _fill(store, 3)
+        clock.advance(6)
+        new = [make_key(i) for i in range(10, 12)]
+        for k in new:
+            store.put(meta_for(k), payload_for(k))
+        flusher.busy()
+        assert flusher.tick() == 0  # nothing is 10 s old yet, and the engine is busy
+        clock.advance(4.5)
+        flusher.busy()
+        assert flusher.tick() == 3  # busy, but the first three are 10.5 s dirty
+        store.flush(5)
+        assert sorted(tier.order) == sorted(old)
+        assert store.host.index.dirty_keys() == set(new)
+        clock.advance(6)
+        flusher.busy()
+        assert flusher.tick() == 2
+        store.flush(5)
+        assert store.host.index.dirty_keys() == set()
+        assert flusher.aged == 5
+    finally:
+        flusher.close()
+        store.close()
+
+
+def test_max_dirty_leaves_the_store_queue_room_for_spills(tmp_path: Path) -> None:
+    clock = ManualClock()
+    gate = threading.Event()
+    tier = RecordingTier(tmp_path / "t", gate)
+    host = HostTier(40 * PAYLOAD, PAYLOAD, clock=clock)
+    store = TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(1, 8))
+    flusher = IdleFlusher(store, 0.0, max_dirty_s=1.0, clock=clock)
+    try:
+        _fill(store, 30)
+        clock.advance(2)
+        queued = flusher.tick()
+        assert 0 < queued <= 1 + 8 // 2  # one running, at most half the queue's room
+        assert store.io.free_store_slots() >= 3
+    finally:
+        gate.set()
+        flusher.close()
         store.close()
 
 

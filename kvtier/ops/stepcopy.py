@@ -241,6 +241,10 @@ class LayerLoads:
             return True
         return len(self._handles) == self._copier.num_layers and self._handles[-1].done()
 
+    def block_ids(self) -> set[int]:
+        """Every block this step loads into (each layer of each)."""
+        return {b for op in self._ops for b in op.block_ids}
+
     def failed_blocks(self) -> set[int]:
         return {b for op, bad in zip(self._ops, self._failed, strict=True) if bad
                 for b in op.block_ids}

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.keys import ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.objformat import ChunkMeta, ChunkSpec
@@ -44,25 +45,30 @@ class HostTier:
         allocator: Allocator | None = None,
         name: str = "host",
         check_memory: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         pool = HostPool.allocate(
             capacity_bytes, slot_bytes, allocator=allocator, check_memory=check_memory
         )
-        self._setup(pool, policy, name)
+        self._setup(pool, policy, name, clock)
 
     @classmethod
     def over(
-        cls, pool: HostPool, *, policy: EvictionPolicy | None = None, name: str = "host"
+        cls, pool: HostPool, *, policy: EvictionPolicy | None = None, name: str = "host",
+        clock: Clock = SYSTEM_CLOCK,
     ) -> HostTier:
         """A host tier over an existing ``pool`` (e.g. ``HostPool.attach_shm``), empty."""
         tier = cls.__new__(cls)
-        tier._setup(pool, policy, name)
+        tier._setup(pool, policy, name, clock)
         return tier
 
-    def _setup(self, pool: HostPool, policy: EvictionPolicy | None, name: str) -> None:
+    def _setup(
+        self, pool: HostPool, policy: EvictionPolicy | None, name: str, clock: Clock
+    ) -> None:
         self._name = name
         self.pool = pool
-        self.index = SlotIndex(pool.num_slots, policy or LRUPolicy())
+        self.clock = clock  # dirty ages (SlotIndex.take_dirty(older_than=...))
+        self.index = SlotIndex(pool.num_slots, policy or LRUPolicy(), clock=clock)
         self.metrics = TierMetrics(name)
 
     @property
@@ -82,24 +88,27 @@ class HostTier:
                 "slot; the pool was sized for another chunk geometry"
             )
 
-    def reserve(self, key: ChunkKey) -> Reservation | None:
-        """A WRITING slot for ``key`` (see ``SlotIndex.reserve``); fill it, then ``commit``
-        or ``abort``."""
-        r = self.index.reserve(key)
+    def reserve(self, key: ChunkKey, *, backup: bool = False) -> Reservation | None:
+        """A WRITING slot for ``key`` (see ``SlotIndex.reserve``, also for ``backup``); fill
+        it, then ``commit`` or ``abort``."""
+        r = self.index.reserve(key, backup=backup)
         if r is not None and r.evicted:
             self.metrics.evicted(len(r.evicted))
         return r
 
-    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool = False) -> None:
-        """Publish a slot reserved for ``meta.key`` and filled with its bytes. A ``meta``
-        that does not fit a slot is refused: the slot is aborted and ``ValueError`` raised."""
+    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool = False) -> bool:
+        """Publish a slot reserved for ``meta.key`` and filled with its bytes; False if
+        another reservation of the key was published first (this slot is freed). A
+        ``meta`` that does not fit a slot is refused: the slot is aborted and
+        ``ValueError`` raised."""
         try:
             self.check_fits(meta)
         except ValueError:
             self.index.abort(slot)
             raise
-        self.index.commit(slot, meta, dirty=dirty)
+        published = self.index.commit(slot, meta, dirty=dirty)
         self.metrics.used(len(self.index) * self.pool.slot_bytes)
+        return published
 
     def abort(self, slot: int) -> None:
         self.index.abort(slot)

@@ -4,14 +4,22 @@ Slot life cycle (a bad transition raises ``SlotStateError`` naming the current s
 
     FREE --reserve(key)--> WRITING --commit(meta)--> READY --evict/remove--> FREE
                               \\--abort--> FREE
+                              \\--commit of a duplicate--> FREE
 
 A slot is reserved for a *key*: what the chunk is (its ``ChunkMeta``) is known only once
 its bytes are, and is given at ``commit`` (a promotion learns it from the tier it reads).
 
+*Backups.* ``reserve(key, backup=True)`` gives a second WRITING slot for a key that
+another caller is writing (a request saving a prefix that another request is saving at
+the same moment, and that must not depend on that other save succeeding). Whichever
+reservation of a key commits first is published; a later commit of the same key frees
+its slot and returns False (the bytes are the same chunk; nothing is lost).
+
 Invariants:
 
-* A key maps to at most one slot (READY or WRITING), and only READY slots are visible to
-  lookups (``contains``, ``hold``, ``entries``, ``take_dirty``).
+* A key maps to at most one READY slot, and only READY slots are visible to lookups
+  (``contains``, ``hold``, ``entries``, ``take_dirty``). A key has at most one WRITING
+  slot unless the others were reserved as backups; ``pending`` says whether any is.
 * A WRITING slot has a key and no meta; a READY slot has a meta whose key is the key it
   was reserved for (``commit`` refuses another). Nothing reads the meta of a slot that is
   not READY.
@@ -31,6 +39,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta
 from kvtier.policy import EvictionPolicy
@@ -53,6 +62,7 @@ class _Slot:
     meta: ChunkMeta | None = None  # set only when READY
     holds: int = 0
     dirty: bool = False
+    dirty_since: float = 0.0  # clock.monotonic() at the commit that made it dirty
 
     def ready_meta(self) -> ChunkMeta:
         assert self.state is SlotState.READY and self.meta is not None
@@ -66,15 +76,19 @@ class Reservation:
 
 
 class SlotIndex:
-    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+    def __init__(
+        self, num_slots: int, policy: EvictionPolicy, *, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self._slots = [_Slot() for _ in range(num_slots)]
         self._free = list(range(num_slots - 1, -1, -1))
         self._by_key: dict[ChunkKey, int] = {}
-        self._pending: set[ChunkKey] = set()  # keys being written
+        self._pending: dict[ChunkKey, int] = {}  # keys being written: WRITING slots each
+        self._writing = 0  # WRITING slots in all
         self._dirty = 0
         self._policy = policy
+        self._clock = clock  # dirty ages only (take_dirty(older_than=...))
         self._lock = threading.Lock()
 
     @property
@@ -91,14 +105,15 @@ class SlotIndex:
         s = self._slots[self._by_key[key]]
         return s.holds == 0 and not s.dirty
 
-    def reserve(self, key: ChunkKey) -> Reservation | None:
+    def reserve(self, key: ChunkKey, *, backup: bool = False) -> Reservation | None:
         """A WRITING slot for ``key``, evicting one clean, unheld LRU chunk if needed.
 
-        Returns ``None`` when the key is already present or being written, or when no
-        slot can be freed (everything held or dirty).
+        Returns ``None`` when the key is already present, or being written (unless
+        ``backup``: then another WRITING slot for the same key; the first commit wins), or
+        when no slot can be freed (everything held or dirty).
         """
         with self._lock:
-            if key in self._by_key or key in self._pending:
+            if key in self._by_key or (key in self._pending and not backup):
                 return None
             evicted: tuple[ChunkKey, ...] = ()
             if not self._free:
@@ -113,32 +128,54 @@ class SlotIndex:
             slot = self._free.pop()
             s = self._expect(slot, SlotState.FREE)
             s.state, s.key = SlotState.WRITING, key
-            self._pending.add(key)
+            self._pending[key] = self._pending.get(key, 0) + 1
+            self._writing += 1
             return Reservation(slot, evicted)
 
-    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool) -> None:
-        """Publish a WRITING slot as ``meta``'s chunk. ``SlotStateError`` (nothing changed)
-        if the slot is not WRITING or was reserved for another key."""
+    def _unpend(self, key: ChunkKey) -> None:
+        n = self._pending[key] - 1
+        if n:
+            self._pending[key] = n
+        else:
+            del self._pending[key]
+        self._writing -= 1
+
+    def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool) -> bool:
+        """Publish a WRITING slot as ``meta``'s chunk; True if it was published. False if
+        another reservation of the key committed first: this slot is freed (a backup that
+        lost the race). ``SlotStateError`` (nothing changed) if the slot is not WRITING or
+        was reserved for another key."""
         with self._lock:
             s = self._expect(slot, SlotState.WRITING)
             if s.key != meta.key:
                 raise SlotStateError(
                     f"slot {slot} was reserved for another key than {meta.key.hex()}"
                 )
-            self._pending.discard(meta.key)
+            self._unpend(meta.key)
+            if meta.key in self._by_key:
+                self._slots[slot] = _Slot()
+                self._free.append(slot)
+                return False
             s.state, s.meta, s.dirty = SlotState.READY, meta, dirty
+            s.dirty_since = self._clock.monotonic() if dirty else 0.0
             self._dirty += dirty
             self._by_key[meta.key] = slot
             self._policy.insert(meta.key)
+            return True
 
     def abort(self, slot: int) -> None:
         """Give back a WRITING slot; nothing was published."""
         with self._lock:
             s = self._expect(slot, SlotState.WRITING)
             assert s.key is not None
-            self._pending.discard(s.key)
+            self._unpend(s.key)
             self._slots[slot] = _Slot()
             self._free.append(slot)
+
+    def pending(self, key: ChunkKey) -> bool:
+        """``key`` has a WRITING slot (someone is filling it; it is not READY yet)."""
+        with self._lock:
+            return key in self._pending
 
     def hold(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
         """Hold ``key``'s slot for reading and refresh its recency; ``None`` on a miss.
@@ -177,22 +214,38 @@ class SlotIndex:
         *,
         hottest_first: bool = False,
         skip: Collection[ChunkKey] = (),
+        older_than: float | None = None,
     ) -> list[tuple[int, ChunkMeta]]:
         """Hold up to ``max_n`` dirty, unheld chunks for writing below: the coldest (a
-        spill), or the most recently used (a shutdown flush). Keys in ``skip`` are left.
-        Each is given back with one ``release``."""
+        spill), or the most recently used (a shutdown flush). Keys in ``skip`` are left,
+        and with ``older_than`` (a ``clock.monotonic()`` reading) chunks dirty since after
+        it. Each is given back with one ``release``."""
         out: list[tuple[int, ChunkMeta]] = []
+        if max_n <= 0:
+            return out
         with self._lock:
+            if not self._dirty:
+                return out
             order = self._policy.coldest()
             for key in reversed(list(order)) if hottest_first else order:
                 if len(out) == max_n:
                     break
                 slot = self._by_key[key]
                 s = self._slots[slot]
+                if older_than is not None and (not s.dirty or s.dirty_since > older_than):
+                    continue
                 if s.dirty and s.holds == 0 and key not in skip:
                     s.holds += 1
                     out.append((slot, s.ready_meta()))
         return out
+
+    def oldest_dirty(self) -> float | None:
+        """When the longest-dirty chunk became dirty (``clock.monotonic()``), or None."""
+        with self._lock:
+            if not self._dirty:
+                return None
+            return min(s.dirty_since for s in self._slots
+                       if s.state is SlotState.READY and s.dirty)
 
     def dirty_keys(self) -> set[ChunkKey]:
         with self._lock:
@@ -210,7 +263,7 @@ class SlotIndex:
     def clean_or_free(self) -> int:
         """Slots a ``reserve`` could use without waiting for a spill."""
         with self._lock:
-            return len(self._slots) - self._dirty - len(self._pending)
+            return len(self._slots) - self._dirty - self._writing
 
     def remove(self, key: ChunkKey) -> bool:
         """Drop ``key`` if present and unheld. Returns whether it was removed."""

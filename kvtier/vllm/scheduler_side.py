@@ -178,10 +178,11 @@ class SchedulerSide:
         self.wait_s = cfg.restore.wait_seconds
         self.lease_s = cfg.retention.lease_seconds
         self.flusher: IdleFlusher | None = None
-        if cfg.idle_flush_seconds > 0 and any(
+        if (cfg.idle_flush_seconds > 0 or cfg.max_dirty_seconds > 0) and any(
             lt.write is WritePolicy.BACK for lt in self.store.lower
         ):
-            self.flusher = IdleFlusher(self.store, cfg.idle_flush_seconds, clock=clock)
+            self.flusher = IdleFlusher(self.store, cfg.idle_flush_seconds,
+                                       max_dirty_s=cfg.max_dirty_seconds, clock=clock)
             if store is None:  # the engine's own store: run in the background
                 self.flusher.start()
 
@@ -458,11 +459,23 @@ class SchedulerSide:
         """Queue copies of the chunks not stored yet. Returns (chunks to copy, length of
         the prefix that is stored or will be): what the response announces.
 
-        The announcement never names a chunk that will not exist (a P/D decode node would
-        wait ``wait_seconds`` for it): a chunk that gets no host slot ends it (and the
-        chunks after it are not copied: a prefix with a hole is not reusable), and for a
-        node that hands KV to another node (``role`` prefill or decode), so does a
-        write-through that the store queue cannot take now.
+        Concurrent saves of one prefix (requests that share a new system prompt and finish
+        in the same step): a chunk another request is saving counts as held, and this
+        request goes on to its own chunks. The announcement never names a chunk that will
+        not exist (a P/D decode node would wait ``wait_seconds`` for it):
+
+        * a chunk that gets no host slot ends it (and the chunks after it are not copied:
+          a prefix with a hole is not reusable);
+        * for a node that hands KV to another node (``role`` prefill or decode), a chunk
+          another request is still saving is copied again into a *backup* slot
+          (``store.reserve(backup=True)``), so this request's chain never depends on the
+          other save succeeding; the first commit is published and the other slot is
+          freed. Without a backup slot such a chunk ends the announcement (it is still
+          not a hole for this node: the other save usually lands);
+        * for such a node, so does a write-through that the store queue cannot take now.
+
+        A node that serves its own requests (``both``) makes no backups: the worst a
+        failed save of a shared chunk costs it is a recompute of the chunks after it.
         """
         n_chunks = len(keys)
         stored = self.store.lookup_indexed(keys).hits  # memory only: scheduler thread
@@ -476,24 +489,31 @@ class SchedulerSide:
             held = next((i for i, k in enumerate(keys[:stored]) if not any(
                 lt.tier.indexed(k) for lt in self.store.lower)), stored)
         room = self.store.io.free_store_slots() if shared else n_chunks
+        announce = held  # grows only while the chain from chunk 0 stays whole
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
-            slot = self.store.reserve(keys[c])
+            key = keys[c]
+            slot = self.store.reserve(key)
+            if slot is None and shared and self.store.saving(key):
+                slot = self.store.reserve(key, backup=True)
             if slot is None:
-                if self.store.holds(keys[c]):
-                    continue  # stored meanwhile by another request
-                record_drop("host_full")
-                break
+                if not self.store.holds(key):
+                    record_drop("host_full")
+                    break
+                # stored meanwhile, or being saved by another request: held
+                if announce == c and not (shared and self.store.saving(key)):
+                    announce = c + 1
+                continue
             saves.append((slot, self._meta(ns, keys, c)))
             self._to_save.append(
                 CopyOp(rid, slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
             )
-        if held == stored:
-            held = stored + min(len(saves), room)
+            if announce == c and len(saves) <= room:
+                announce = c + 1
         record_spill(len(saves) * self.slot_bytes, n_chunks * self.slot_bytes)
         if saves:
             self._saves[rid] = _Save(saves)
-        return len(saves), held
+        return len(saves), announce
 
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:
@@ -531,10 +551,25 @@ class SchedulerSide:
         return bool(self._saves)
 
     def reset(self) -> bool:
-        """``reset_cache``: empty the host tier; lower tiers are kept (see
-        ``TieredStore.drop_host``). Bounded by ``shutdown_flush_seconds``."""
-        n = self.store.drop_host(self.cfg.shutdown_flush_seconds)
-        log.info("kvtier: reset dropped %d host chunks", n)
+        """``reset_cache`` (vLLM's ``reset_prefix_cache``; RL trainers call it after a
+        weight sync): from now on this engine never serves KV it stored before.
+
+        The weights epoch is bumped (``RequestIdentities.bump_epoch``: every namespace
+        digest made from now on differs), cached keys and staged lookups of waiting
+        requests are dropped, and the host tier is emptied, dirty chunks included: they
+        may have been computed with the old weights, so they are dropped, never written
+        below. Lower tiers keep what they hold (other nodes and restarts share them; the
+        old epoch's keys are never asked for again here, and after a restart epoch 0
+        means the weights on disk again). Memory only: returns at once.
+        """
+        for rid in list(self._lookups):
+            self._forget(rid)
+        self._key_cache.clear()
+        self._probes.clear()
+        self._waiting.clear()
+        self.identities.bump_epoch()
+        n = self.store.drop_host()
+        log.info("kvtier: reset: new weights epoch, dropped %d host chunks", n)
         return True
 
     def close(self) -> None:

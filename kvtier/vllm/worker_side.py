@@ -192,12 +192,19 @@ class WorkerSide:
         seen_all = all(self._waited)
         if self._loads is not None:
             skipped = self._loads.finish()
-            if skipped and not self._per_layer_broken:
-                self._per_layer_broken = True
-                log.error(
-                    "kvtier: vLLM ran a forward without wait_for_layer_load for layers %s; "
-                    "their loads were completed after it. Loads now complete before the "
-                    "forward (not layer by layer)", [self.layer_names[j] for j in skipped])
+            if skipped:
+                # The forward's attention for those layers ran before their KV was in
+                # place: every block loaded this step is reported as a load error, so
+                # vLLM recomputes it instead of keeping what was computed on it.
+                self._load_errors |= self._loads.block_ids()
+                if not self._per_layer_broken:
+                    self._per_layer_broken = True
+                    log.error(
+                        "kvtier: vLLM ran a forward without wait_for_layer_load for layers "
+                        "%s; their loads were completed after it and the step's loaded "
+                        "blocks are reported as load errors (recomputed). Loads now "
+                        "complete before the forward (not layer by layer)",
+                        [self.layer_names[j] for j in skipped])
             self._load_errors |= self._loads.failed_blocks()
             self._loading.append((self._loads_step, self._loads))
             self._loads = None

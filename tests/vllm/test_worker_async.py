@@ -289,6 +289,8 @@ def test_a_layer_never_waited_for_is_completed_and_layer_wise_loading_stops(
         step(worker, KVTierMetadata(3, loads=LOADS), waits=LAYERS[:2])
     assert all(loaded(worker, orig, n) for n in LAYERS)
     assert LAYERS[2] in caplog.text and "wait_for_layer_load" in caplog.text
+    # the forward computed layer 2 before its KV was in place: vLLM must recompute
+    assert worker.load_errors() == set(EXPECTED)
     wipe_destinations(worker)
     step(worker, KVTierMetadata(4))  # a full forward again: layer-wise stays off
     worker.run(KVTierMetadata(5, loads=LOADS), layer_by_layer=True)
