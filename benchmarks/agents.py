@@ -85,10 +85,13 @@ MID_MODEL: dict[str, Any] = {"dtype": "float32", "hidden": 384, "layers": 6, "he
                              "kv_heads": 2, "intermediate": 1024, "vocab": 8192, "max_pos": 8192}
 
 
-def tier_config(path: Path, store: Path, host_capacity: str) -> Path:
-    doc = {"chunk_tokens": 256, "tiers": [
+def tier_config(path: Path, store: Path, host_capacity: str,
+                max_dirty_s: float | None = None) -> Path:
+    doc: dict[str, Any] = {"chunk_tokens": 256, "tiers": [
         {"host": {"capacity": host_capacity}},
         {"file": {"path": str(store), "capacity": "20GiB", "write": "back"}}]}
+    if max_dirty_s is not None:
+        doc["max_dirty_seconds"] = max_dirty_s
     path.write_text(json.dumps(doc))  # JSON is YAML
     return path
 
@@ -128,7 +131,7 @@ def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings
             kvt = None
             if run == "kvtier":
                 kvt = kv_transfer_config(tier_config(work / "kvtier.yaml", work / "store",
-                                                   args.host_capacity))
+                                                   args.host_capacity, args.max_dirty_seconds))
             srv = APIServer(work, model=model, name=run, dtype=dtype, max_model_len=max_len,
                             kv_transfer_config=kvt, num_gpu_blocks_override=kv_blocks,
                             block_size=BLOCK_SIZE)
@@ -198,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--kv-blocks", type=int, default=None, help="num_gpu_blocks_override")
     lg.add_argument("--max-model-len", type=int, default=None)
     lg.add_argument("--host-capacity", default="2GiB")
+    lg.add_argument("--max-dirty-seconds", type=float, default=None,
+                    help="kvtier's max_dirty_seconds (default: the config default)")
     lg.add_argument("--runs", default="no_tier,kvtier", help="which servers, in order")
     lg.add_argument("--workdir", default=None)
     lg.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))

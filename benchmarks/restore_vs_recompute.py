@@ -114,7 +114,9 @@ def tier_yaml(path: Path, lower: Lower | None) -> Path:
     tiers: list[dict[str, Any]] = [{"host": {"capacity": "2GiB"}}]
     if lower is not None:
         tiers.append(lower.tier)
-    path.write_text(json.dumps({"chunk_tokens": 256, "tiers": tiers}))
+    path.write_text(json.dumps({"chunk_tokens": 256, "tiers": tiers,
+                                # resets leave the prompt on the lower tiers only
+                                "reset_cache": "host"}))
     return path
 
 

@@ -167,7 +167,7 @@ def kvtier_doc(store: Path, endpoint: str, args: argparse.Namespace
                 section[key] = value
             else:
                 skipped.append(f"{where}.{key}")
-    doc: dict[str, Any] = {"chunk_tokens": 256, "tiers": [
+    doc: dict[str, Any] = {"chunk_tokens": 256, "reset_cache": "host", "tiers": [
         {"host": {"capacity": args.host_capacity}},
         {"file": {"path": str(store), "capacity": "4GiB", "write": "through"}},
         {"s3": s3}]}

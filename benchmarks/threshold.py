@@ -70,7 +70,9 @@ def engine_yaml(path: Path, store: Path, s3: tuple[str, str] | None, prefix: str
     restore: dict[str, Any] = {"recompute_threshold_tokens": threshold}
     if threshold == "auto":
         restore["auto_warmup_steps"] = warmup_steps
-    path.write_text(json.dumps({"chunk_tokens": 256, "tiers": tiers, "restore": restore}))
+    path.write_text(json.dumps({"chunk_tokens": 256, "tiers": tiers, "restore": restore,
+                                # resets leave the prompt on the lower tiers only
+                                "reset_cache": "host"}))
     return path
 
 

@@ -216,6 +216,13 @@ class KVTierConfig(_Model):
     #: busy engine or not (the kernel's dirty_expire): a stop at any moment loses at most
     #: this much. 0 disables the bound (only spills, idle and shutdown flushes write).
     max_dirty_seconds: float = Field(10.0, ge=0)
+    #: What vLLM's reset_prefix_cache(reset_connector=True) does to kvtier. ``weights``:
+    #: the weights may have changed (an RL trainer's weight sync): a new in-memory weights
+    #: epoch enters the namespace, so nothing stored before is served again, and the host
+    #: tier is emptied, dirty chunks dropped. ``host``: the weights never change in place;
+    #: only the host tier is emptied (dirty chunks written below first, within
+    #: shutdown_flush_seconds) and the lower tiers keep serving (benchmarks use it).
+    reset_cache: Literal["weights", "host"] = "weights"
 
     @field_validator("tiers")
     @classmethod

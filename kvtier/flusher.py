@@ -31,7 +31,7 @@ import logging
 import threading
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
-from kvtier.store import TieredStore
+from kvtier.store import FlushReport, TieredStore
 
 log = logging.getLogger("kvtier.store")
 
@@ -43,17 +43,24 @@ class IdleFlusher:
         idle_s: float,
         *,
         max_dirty_s: float = 0.0,
+        stop_budget_s: float = 0.0,
         batch: int = 8,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``idle_s``: flush once idle this long (0: never for idleness); ``max_dirty_s``:
-        flush chunks dirty for longer, busy or not (0: no bound). One of them is > 0."""
-        if idle_s < 0 or max_dirty_s < 0 or not (idle_s or max_dirty_s):
-            raise ValueError(f"idle_s ({idle_s}) and max_dirty_s ({max_dirty_s}) must be "
-                             ">= 0 and not both 0")
+        flush chunks dirty for longer, busy or not (0: no bound); ``stop_budget_s``: how
+        long the flush that a stop signal starts may take (``request_stop``)."""
+        if idle_s < 0 or max_dirty_s < 0 or stop_budget_s < 0:
+            raise ValueError(f"idle_s ({idle_s}), max_dirty_s ({max_dirty_s}) and "
+                             f"stop_budget_s ({stop_budget_s}) must be >= 0")
         self.store = store
         self.idle_s = idle_s
         self.max_dirty_s = max_dirty_s
+        self.stop_budget_s = stop_budget_s
+        self._stop_flag = False  # set from a signal handler: a plain store, no lock
+        self._stop_started: float | None = None
+        self.stop_flushed = threading.Event()  # the stop flush ran (or had nothing to do)
+        self.stop_report: FlushReport | None = None
         self.batch = batch
         self.clock = clock
         self._last_busy = clock.monotonic()
@@ -65,6 +72,33 @@ class IdleFlusher:
     def busy(self) -> None:
         """The engine did work now (scheduler thread)."""
         self._last_busy = self.clock.monotonic()
+
+    def request_stop(self) -> None:
+        """A stop signal arrived: the flusher's thread writes every dirty chunk below and
+        waits for queued writes, within ``stop_budget_s``. Safe in a signal handler (one
+        attribute store; no lock, no I/O)."""
+        self._stop_flag = True
+
+    def stop_flush_pending(self) -> bool:
+        """A stop was requested and its flush has neither finished nor run out of time.
+        Memory only (vLLM's scheduler thread: ``has_pending_push_work``)."""
+        if not self._stop_flag or self.stop_flushed.is_set():
+            return False
+        started = self._stop_started
+        return started is None or self.clock.monotonic() - started < self.stop_budget_s
+
+    def stop_flush(self) -> FlushReport:
+        """The flush a stop signal asks for: dirty chunks most recent first, then every
+        queued write, within ``stop_budget_s`` of the request. Runs on the flusher's
+        thread (or a test's)."""
+        t0 = self._stop_started = self.clock.monotonic()
+        report = self.store.flush_dirty(self.stop_budget_s, self.clock)
+        self.store.flush(max(0.0, self.stop_budget_s - (self.clock.monotonic() - t0)))
+        self.stop_report = report
+        self.stop_flushed.set()
+        log.info("kvtier: stop signal: wrote %d dirty chunks below in %.2f s, %d left",
+                 report.flushed, report.seconds, report.left)
+        return report
 
     def tick(self) -> int:
         """Queue chunks dirty for ``max_dirty_s`` (busy or not, into half the store
@@ -83,11 +117,14 @@ class IdleFlusher:
         self.queued += n
         return n
 
-    def start(self, interval_s: float = 0.5) -> IdleFlusher:
+    def start(self, interval_s: float = 0.2) -> IdleFlusher:
         def run() -> None:
             while not self._stop.wait(interval_s):
                 try:
-                    self.tick()
+                    if self._stop_flag and not self.stop_flushed.is_set():
+                        self.stop_flush()
+                    else:
+                        self.tick()
                 except Exception:  # a flush is best effort; the next tick tries again
                     log.exception("kvtier: idle flush failed")
 
@@ -95,7 +132,9 @@ class IdleFlusher:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread; waits for it at most ``timeout`` seconds (a stop flush it is
+        running goes on to its own budget; it is a daemon)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)

@@ -15,6 +15,11 @@ Invariants:
   ``setting`` to change (``HostMemoryError``); never later, on first touch.
 * A shared file is created at its full size, or not at all (a failed create unlinks it);
   an attach maps exactly the size it expects, or fails naming both sizes.
+* A shared file is only ever a new one: created with ``O_CREAT | O_EXCL | O_NOFOLLOW``,
+  so an existing file (a second engine under the same name, a crash's leftover) or a
+  planted symlink is an error naming the path and what to do (``SharedFileExists``),
+  never truncated, followed or shared. An attach opens with ``O_NOFOLLOW`` too, maps only
+  a regular file, and unlinks the name only while it still names the file it mapped.
 * ``register_pinned`` never pins silently halfway: it returns False (nothing done) where
   page-locking is impossible, raises with the size when the driver refuses, and ties the
   unregistration to the lifetime of the memory's owner.
@@ -25,8 +30,10 @@ Thread safety: every function may be called from any thread; none keeps state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +62,29 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 class HostMemoryError(Exception):
     """Host memory could not be had. The message gives the numbers and what to change."""
+
+
+class SharedFileExists(HostMemoryError):
+    """The shared file's name is taken (a file, or a symlink that is not followed)."""
+
+
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_ATTACH = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _exists_message(path: Path) -> str:
+    try:
+        what = "a symbolic link (never followed)" if path.is_symlink() else "a file"
+    except OSError:
+        what = "something"
+    return (
+        f"shared host pool {path}: {what} of that name already exists, and kvtier only "
+        "uses a file it creates itself. Either another engine runs with the same "
+        "kv_transfer_config.engine_id (give each engine its own engine_id, or leave it "
+        "unset so vLLM picks a unique one), or an engine that crashed left it behind: if "
+        f"no process has it open (`fuser -v {path}` prints nothing), remove it with "
+        f"`rm {path}` and start again"
+    )
 
 
 def mem_available() -> int | None:
@@ -91,8 +121,9 @@ def mmap_allocator(nbytes: int) -> tuple[Any, bool]:
 
 
 def create_shared(path: Path, nbytes: int, *, setting: str) -> mmap.mmap:
-    """Create (or truncate) the file ``path``, size it to ``nbytes``, map it shared and
-    pre-fault it. ``HostMemoryError`` naming ``setting`` if the file system cannot hold it."""
+    """Create the new file ``path`` (owner-only), size it to ``nbytes``, map it shared and
+    pre-fault it. ``SharedFileExists`` if the name is taken (a symlink included: it is not
+    followed); ``HostMemoryError`` naming ``setting`` if the file system cannot hold it."""
     if nbytes <= 0:
         raise ValueError(f"host memory: nbytes must be > 0, got {nbytes}")
     st = os.statvfs(path.parent)
@@ -102,7 +133,10 @@ def create_shared(path: Path, nbytes: int, *, setting: str) -> mmap.mmap:
             f"{setting}: a {format_size(nbytes)} shared host pool does not fit in "
             f"{path.parent} ({format_size(free)} free); lower the capacity or enlarge {path.parent}"
         )
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = os.open(path, _CREATE, 0o600)
+    except FileExistsError:
+        raise SharedFileExists(_exists_message(path)) from None
     try:
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
@@ -124,9 +158,19 @@ def attach_shared(path: Path, nbytes: int, *, unlink: bool = True) -> mmap.mmap:
     it is not ``nbytes`` long (its creator disagrees on the geometry). Does not touch
     the pages: its creator did.
     """
-    fd = os.open(path, os.O_RDWR)
     try:
-        size = os.fstat(fd).st_size
+        fd = os.open(path, _ATTACH)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            raise HostMemoryError(
+                f"host pool {path} is a symbolic link; kvtier never follows one (remove it)"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            raise HostMemoryError(f"host pool {path} is not a regular file (remove it)")
         if size != nbytes:
             raise HostMemoryError(
                 f"host pool {path} is {size} bytes, this process expects {nbytes}; its "
@@ -136,7 +180,10 @@ def attach_shared(path: Path, nbytes: int, *, unlink: bool = True) -> mmap.mmap:
     finally:
         os.close(fd)
     if unlink:
-        remove_shared(path)
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                path.unlink()
     return mm
 
 

@@ -8,9 +8,11 @@ Invariants:
   compute the same keys without a coordinator.
 * Never Python's ``hash()``: keys are identical across processes, machines and runs.
 * The namespace digest covers everything that makes KV bytes incompatible (model identity,
-  dtype, layout, geometry, chunking, TP placement, format version, and the request's
-  ``cache_salt`` and LoRA adapter). Different namespaces never share a key. What varies
-  per chunk (multimodal inputs, prompt embeddings) goes into that chunk's ``extra``.
+  revision, quantization, KV cache dtype and fp8 scales, physical layout, geometry,
+  chunking, TP placement, format version; per request the ``cache_salt`` and LoRA
+  adapter; per engine the weights epoch). Different namespaces never share a key. What
+  varies per chunk (multimodal inputs, prompt embeddings) goes into that chunk's
+  ``extra``. ``docs/architecture.md`` ("Keys") lists every input and its vLLM setting.
 * ``ChunkKey.hex()`` is only ``[0-9a-f]``: tier paths and object names built from it
   cannot escape their root.
 """
@@ -58,6 +60,18 @@ class Namespace:
     tp_rank: int = 0
     tp_world_size: int = 1
     format_version: int = FORMAT_VERSION
+    #: ``cache_config.cache_dtype`` as configured ("auto", "fp8_e4m3", ...): vLLM gives
+    #: every fp8 variant the same torch dtype (uint8), so ``kv_dtype`` cannot tell them apart.
+    kv_cache_dtype: str = "auto"
+    #: Digest of the k/v scales the worker's attention layers quantize with ("" when the
+    #: KV cache is not quantized and the scales are unused).
+    kv_scales: str = ""
+    #: ``model_config.quantization`` ("" for none).
+    quantization: str = ""
+    #: The resolved model revision (a commit for hub ids; "" for a local directory).
+    revision: str = ""
+    #: ``model_config.dtype``: the dtype K and V are computed in before they are stored.
+    model_dtype: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "chunk_tokens", "block_size"):
@@ -71,18 +85,26 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_world_size {self.tp_world_size}")
 
-    def digest(self, cache_salt: str | None = None, *, adapter: str | None = None) -> bytes:
-        """16-byte digest of this namespace, specialised by a request's salt and adapter.
+    def digest(
+        self, cache_salt: str | None = None, *, adapter: str | None = None, epoch: int = 0
+    ) -> bytes:
+        """16-byte digest of this namespace, specialised by a request's salt and adapter
+        and by the engine's weights epoch.
 
         ``adapter`` identifies a LoRA adapter (its name and a fingerprint of its files);
-        ``None`` is the base model. Without either the digest is the same as before
-        adapters were keyed, so stored objects stay valid.
+        ``None`` is the base model. ``epoch`` counts in-place weight updates of this
+        engine since it started; epoch 0 is the weights on disk, so its digest is the
+        one without an epoch (a restarted engine finds what the last one stored at 0).
         """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         fields = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)
         salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
         parts = [b"kvtier-namespace", fields, salt]
         if adapter is not None:
             parts.append(b"lora:" + adapter.encode("utf-8"))
+        if epoch:
+            parts.append(b"epoch:" + epoch.to_bytes(8, "little"))
         return _h(*parts)
 
 

@@ -567,16 +567,29 @@ class TieredStore:
             held.release()
 
     # -- life cycle --------------------------------------------------------------------
-    def drop_host(self) -> int:
-        """Drop every unheld host chunk, dirty ones included; returns how many were
-        dropped. Memory only: returns at once.
+    def drop_host(self, flush_budget_s: float | None = None,
+                  clock: Clock = SYSTEM_CLOCK) -> int:
+        """Empty the host tier of every unheld chunk; returns how many were dropped.
 
-        What ``reset_cache`` means for kvtier: KV computed before it may not be served
-        after it (an RL trainer changed the weights), so dirty chunks are dropped, not
-        written below. A held chunk (being read or written below right now) stays until
-        its holder is done; lower tiers are kept (other nodes and restarts share them).
+        Without ``flush_budget_s`` (``reset_cache: weights``, the default): dirty chunks
+        are dropped too, never written below, and the call is memory only and returns at
+        once. KV computed before a weight sync may not be served after it.
+
+        With ``flush_budget_s`` (``reset_cache: host``: the weights never change in place;
+        benchmarks use it to leave a prompt on the lower tiers only): dirty chunks are
+        written to the write-back tiers first, within the budget (kept if it runs out),
+        then every clean unheld chunk is dropped. Never waits past the budget.
+
+        Held chunks (being read or written below right now) stay until their holder is
+        done; lower tiers are kept either way (other nodes and restarts share them).
         """
-        return self.host.delete([meta.key for _, meta in self.host.index.entries()])
+        if flush_budget_s is not None:
+            deadline = clock.monotonic() + flush_budget_s
+            self.flush(flush_budget_s)  # write-through copies in flight read host slots
+            self.flush_dirty(max(0.0, deadline - clock.monotonic()), clock)
+        keep = self.host.index.dirty_keys() if flush_budget_s is not None else set()
+        return self.host.delete(
+            [meta.key for _, meta in self.host.index.entries() if meta.key not in keep])
 
     def write_back_some(self, max_n: int, *, older_than: float | None = None) -> int:
         """Queue up to ``max_n`` dirty chunks, most recently used first, to the write-back

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,3 +71,55 @@ def test_old_import_paths_still_work() -> None:
     assert mem_available is hostmem.mem_available
     assert mmap_allocator is hostmem.mmap_allocator
     assert PINNED_UNAVAILABLE is hostmem.PINNED_UNAVAILABLE
+
+
+def test_a_shared_file_is_created_new_and_attached_once(tmp_path: Path) -> None:
+    path = tmp_path / "pool"
+    mm = hostmem.create_shared(path, mmap.PAGESIZE, setting="cap")
+    assert path.stat().st_mode & 0o777 == 0o600
+    other = hostmem.attach_shared(path, mmap.PAGESIZE)
+    mm[:3] = b"abc"
+    assert other[:3] == b"abc" and not path.exists()
+
+
+def test_an_existing_shared_file_is_an_error_that_says_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "pool"
+    path.write_bytes(b"someone else's bytes")
+    with pytest.raises(hostmem.SharedFileExists) as err:
+        hostmem.create_shared(path, mmap.PAGESIZE, setting="cap")
+    msg = str(err.value)
+    assert str(path) in msg and "engine_id" in msg and f"rm {path}" in msg
+    assert path.read_bytes() == b"someone else's bytes", "neither truncated nor removed"
+
+
+def test_a_planted_symlink_is_not_followed_on_create(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    link = tmp_path / "pool"
+    link.symlink_to(target)
+    with pytest.raises(hostmem.SharedFileExists, match="symbolic link"):
+        hostmem.create_shared(link, mmap.PAGESIZE, setting="cap")
+    assert target.read_bytes() == b"keep me" and link.is_symlink()
+    dangling = tmp_path / "pool2"
+    dangling.symlink_to(tmp_path / "would-be-created")
+    with pytest.raises(hostmem.SharedFileExists):
+        hostmem.create_shared(dangling, mmap.PAGESIZE, setting="cap")
+    assert not (tmp_path / "would-be-created").exists()
+
+
+def test_a_planted_symlink_is_not_followed_on_attach(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    hostmem.create_shared(real, mmap.PAGESIZE, setting="cap")
+    link = tmp_path / "pool"
+    link.symlink_to(real)
+    with pytest.raises(hostmem.HostMemoryError, match="symbolic link"):
+        hostmem.attach_shared(link, mmap.PAGESIZE)
+    assert real.exists() and link.is_symlink()
+
+
+def test_attach_maps_only_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "pool"
+    os.mkfifo(fifo)
+    with pytest.raises(hostmem.HostMemoryError, match="not a regular file"):
+        hostmem.attach_shared(fifo, mmap.PAGESIZE)
+    assert fifo.exists()

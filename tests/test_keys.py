@@ -57,6 +57,11 @@ def test_keys_are_identical_in_another_process() -> None:
         {"block_size": 64},
         {"tp_rank": 1, "tp_world_size": 2},
         {"format_version": 99},
+        {"kv_cache_dtype": "fp8_e5m2"},
+        {"kv_scales": "ab" * 16},
+        {"quantization": "fp8"},
+        {"revision": "0" * 40},
+        {"model_dtype": "float16"},
     ],
 )
 def test_every_namespace_field_changes_the_keys(change: dict[str, object]) -> None:
@@ -81,3 +86,17 @@ def test_hex_keys_cannot_escape_a_directory() -> None:
     for bad in ["../" + "0" * 29, "A" * 32, "0" * 31, "0" * 30 + "/x"]:
         with pytest.raises(ValueError):
             key_from_hex(bad)
+
+
+def test_fp8_variants_with_one_torch_dtype_get_different_keys() -> None:
+    """vLLM stores fp8_e4m3 and fp8_e5m2 both as uint8: ``kv_dtype`` alone is equal."""
+    e4m3 = dataclasses.replace(NS, kv_dtype="uint8", kv_cache_dtype="fp8_e4m3")
+    e5m2 = dataclasses.replace(NS, kv_dtype="uint8", kv_cache_dtype="fp8_e5m2")
+    assert e4m3.digest() != e5m2.digest()
+    assert e4m3.digest() == dataclasses.replace(e5m2, kv_cache_dtype="fp8_e4m3").digest()
+
+
+def test_the_epoch_changes_the_keys_and_zero_is_no_epoch() -> None:
+    assert chunk_keys(NS.digest(epoch=0), TOKENS, 128) == chunk_keys(NS.digest(), TOKENS, 128)
+    assert NS.digest(epoch=1) != NS.digest() and NS.digest(epoch=1) != NS.digest(epoch=2)
+    assert NS.digest("t", epoch=1) != NS.digest("t")

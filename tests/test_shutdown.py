@@ -116,6 +116,33 @@ def test_reset_returns_at_once_even_with_a_hung_tier(tmp_path: Path) -> None:
         store.close()
 
 
+def test_reset_host_writes_dirty_chunks_then_empties_the_host_tier(tmp_path: Path) -> None:
+    tier = RecordingTier(tmp_path / "t")
+    store = _store(tier)
+    try:
+        keys = _fill(store, 4)
+        held = store.load(store.lookup([keys[0]])).result()  # being copied: kept, still dirty
+        assert store.drop_host(30) == 3
+        held.release()
+        assert store.host.contains_prefix(keys) == 1
+        assert tier.contains_prefix(keys[1:]) == 3  # nothing stored was lost
+        assert store.lookup(keys).hits == 4
+    finally:
+        store.close()
+
+
+def test_reset_host_keeps_dirty_chunks_it_could_not_write(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = _store(RecordingTier(tmp_path / "t", gate))
+    try:
+        keys = _fill(store, 3)
+        assert store.drop_host(0.2) == 0
+        assert store.host.contains_prefix(keys) == 3
+    finally:
+        gate.set()
+        store.close()
+
+
 def _aging_store(tier: FileTier, clock: ManualClock, slots: int = 10) -> TieredStore:
     host = HostTier(slots * PAYLOAD, PAYLOAD, clock=clock)
     return TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(2, 64))
@@ -231,3 +258,63 @@ def test_a_failed_idle_write_leaves_the_chunk_dirty(tmp_path: Path) -> None:
         assert len(store.host.index.dirty_keys()) == 1
     finally:
         store.close()
+
+
+def test_a_stop_request_flushes_everything_and_keeps_the_loop_up_until_done(
+    tmp_path: Path,
+) -> None:
+    clock = ManualClock()
+    tier = RecordingTier(tmp_path / "t")
+    store = _aging_store(tier, clock)
+    flusher = IdleFlusher(store, 0.0, max_dirty_s=0.0, stop_budget_s=20.0, clock=clock)
+    try:
+        keys = _fill(store, 4)
+        assert not flusher.stop_flush_pending()
+        flusher.request_stop()  # what the signal handler does: one store, no lock
+        assert flusher.stop_flush_pending()  # vLLM's loop keeps stepping
+        report = flusher.stop_flush()
+        assert (report.flushed, report.left) == (4, 0)
+        assert not flusher.stop_flush_pending()
+        assert sorted(tier.order) == sorted(keys)
+    finally:
+        flusher.close()
+        store.close()
+
+
+def test_a_stop_flush_that_runs_out_of_time_stops_holding_the_loop(tmp_path: Path) -> None:
+    clock = ManualClock()
+    store = _aging_store(RecordingTier(tmp_path / "t"), clock)
+    flusher = IdleFlusher(store, 0.0, stop_budget_s=5.0, clock=clock)
+    try:
+        flusher.request_stop()
+        flusher._stop_started = clock.monotonic()  # the flush began on its thread
+        assert flusher.stop_flush_pending()
+        clock.advance(5.0)
+        assert not flusher.stop_flush_pending()
+    finally:
+        flusher.close()
+        store.close()
+
+
+def test_stop_signals_are_chained_in_front_of_the_installed_handler() -> None:
+    import signal
+
+    from kvtier.vllm.stopsignal import chain_stop_signals
+
+    calls: list[str] = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: calls.append("vllm"))
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # nothing to chain to: left alone
+        assert chain_stop_signals(lambda: calls.append("kvtier"))
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == ["kvtier", "vllm"]
+        done: list[bool] = []
+        t = threading.Thread(target=lambda: done.append(chain_stop_signals(lambda: None)))
+        t.start()
+        t.join()
+        assert done == [False]  # only the main thread may install handlers
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

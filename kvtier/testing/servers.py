@@ -179,6 +179,26 @@ class APIServer:
         except subprocess.TimeoutExpired:
             return None
 
+    def terminate_group(self, timeout_s: float = 90.0) -> int | None:
+        """SIGTERM every process of the server's group at once, as systemd's default
+        ``KillMode=control-group`` does, and wait until the whole group is gone; returns
+        the API server's exit code (None if something outlived ``timeout_s``)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        try:
+            code: int | None = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return code
+            time.sleep(0.1)  # polling other processes, not driving test time
+        return None
+
     def stop(self) -> None:
         if self.proc is not None:
             _terminate(self.proc)

@@ -4,9 +4,10 @@ Where the buffer comes from (the memory itself is ``kvtier.hostmem``'s business)
 
 * ``HostPool.allocate(capacity, slot_bytes)``: private memory of this process (the
   ``allocator``: page-locked when CUDA is there, else anonymous ``mmap``).
-* ``HostPool.create_shm(path, slot_bytes, num_slots, pinned=...)``: a pool in a shared
-  file that other processes will map; its creator sizes it, faults it in and page-locks
-  it as ``pinned`` says (vLLM's worker).
+* ``HostPool.create_shm(path, slot_bytes, num_slots, pinned=...)``: a pool in a new
+  shared file that other processes will map; its creator makes the file (never one that
+  exists, never through a symlink), sizes it, faults it in and page-locks it as
+  ``pinned`` says (vLLM's worker).
 * ``HostPool.attach_shm(path, slot_bytes, num_slots)``: the same pool, mapped by another
   process (vLLM's scheduler); the name is unlinked once mapped.
 * ``HostPool(buf, slot_bytes, num_slots, pinned=...)``: over a buffer the caller holds.
@@ -156,7 +157,10 @@ class HostPool:
         """Create the shared pool file ``path`` and map it: sized, faulted in and, unless
         ``pinned`` is ``no``, page-locked for CUDA in this process. ``pinned: yes`` that
         cannot be honoured fails (``PINNED_UNAVAILABLE``). On failure the file is removed.
-        The caller removes it (``kvtier.hostmem.remove_shared``) when done."""
+        The caller removes it (``kvtier.hostmem.remove_shared``) when done.
+
+        ``path`` must not exist: a file or symlink of that name is a ``TierError`` naming
+        it and what to do (``O_EXCL | O_NOFOLLOW``; it is neither truncated nor followed)."""
         nbytes = num_slots * slot_bytes
         try:
             mm = create_shared(path, nbytes, setting=setting)

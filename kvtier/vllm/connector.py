@@ -13,6 +13,15 @@ vLLM constructs one instance per process: role SCHEDULER in the engine core (boo
 them; bad settings fail here, at engine start, naming the field. Both sides hand their
 process's counts to vLLM's connector stats every step (``kvtier/vllm/stats.py``), which
 shows them on the API server's ``/metrics``.
+
+Start-up order (vLLM's ``EngineCore.__init__``): every worker's connector is built and
+its ``register_kv_caches`` runs (inside ``_initialize_kv_caches``) before the scheduler,
+and with it the scheduler-side connector, is constructed. The worker creates the shared
+host pool and publishes what only it sees of the KV bytes next to it (``PhysicalKV``:
+the layout of the tensors it registered, the fp8 k/v scales of its attention layers;
+``shm.publish_physical``); the scheduler-side constructor reads that
+(``shm.read_physical``) and only then builds the engine's namespace, from which every
+key is made. The worker never builds a namespace (nor hashes the weights).
 """
 
 from __future__ import annotations
@@ -27,11 +36,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.metrics import drain_export, enable_export, record_failed_loads, record_worker_step
-from kvtier.vllm.geometry import geometry_from_kv_cache_config, namespace_for
+from kvtier.ops import layout_from_backend
+from kvtier.vllm.geometry import (
+    PhysicalKV,
+    check_kv_scales_config,
+    describe_layout,
+    geometry_from_kv_cache_config,
+    kv_scales_digest,
+    namespace_for,
+    tp_placement,
+)
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import parse_extra_config
-from kvtier.vllm.shm import pool_path
+from kvtier.vllm.shm import pool_path, publish_physical, read_physical, remove_published
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
 
@@ -74,16 +92,21 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         geometry = geometry_from_kv_cache_config(kv_cache_config)
         geometry.blocks_per_chunk(cfg.chunk_tokens)  # fail early on a bad chunk size
-        ns = namespace_for(
-            vllm_config, kv_cache_config, geometry, cfg.chunk_tokens, settings.model_fingerprint
-        )
-        engine_id = str(self._kv_transfer_config.engine_id)
-        path = pool_path(engine_id, ns.tp_rank)
+        check_kv_scales_config(vllm_config.cache_config)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._tp_rank = tp_placement(vllm_config)[0]
+        self._pool_path = path = pool_path(self._engine_id, self._tp_rank)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._step_blocks: tuple[int, int] | None = None  # worker: (loaded, saved) this step
         enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
+            # The worker registered its KV caches (and published this) before vLLM
+            # constructs the scheduler; see the module docstring.
+            physical = read_physical(path, engine_id=self._engine_id, tp_rank=self._tp_rank,
+                                     slot_bytes=geometry.chunk_bytes(cfg.chunk_tokens))
+            ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
+                               fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
         else:
             layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
@@ -124,6 +147,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_saves()
 
+    def has_pending_push_work(self) -> bool:
+        """True while a flush started by a stop signal runs: vLLM's engine loop (and with
+        it vLLM's signal handler) stays up until it is done or out of time."""
+        return self._sched is not None and self._sched.stop_flush_pending()
+
     def reset_cache(self) -> bool | None:
         return self._sched.reset() if self._sched is not None else None
 
@@ -136,7 +164,20 @@ class KVTierConnector(KVConnectorBase_V1):
         backend_cls = ctx[w.layer_names[0]].get_attn_backend()
         name = getattr(self._kv_cache_config, "kv_cache_layout", None)
         layout = KVCacheLayout[name] if name else None
-        w.register(kv_caches, backend_cls, layout, int(self._kv_cache_config.num_blocks))
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        # Before the pool exists: a refused scale setting leaves nothing behind.
+        scales = kv_scales_digest([(n, ctx[n]) for n in w.layer_names], cache_dtype)
+        w.register(kv_caches, backend_cls, layout, num_blocks)
+        # The layout WorkerSide.register resolved (the same pure function, same inputs).
+        resolved = layout_from_backend(
+            backend_cls, num_blocks=num_blocks, block_size=w.geom.block_size,
+            num_kv_heads=w.geom.num_kv_heads, head_size=w.geom.head_size,
+            dtype=kv_caches[w.layer_names[0]].dtype, kv_cache_layout=layout,
+        )
+        physical = PhysicalKV(describe_layout(backend_cls, name, resolved), cache_dtype, scales)
+        publish_physical(self._pool_path, physical, engine_id=self._engine_id,
+                         tp_rank=self._tp_rank, slot_bytes=w.slot_bytes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Issues this step's loads (layer by layer) and saves; waits for neither.
@@ -203,5 +244,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._sched is not None:
             self._sched.close()
-        if self._worker is not None:
+        if self._worker is not None and self._worker.host_pool is not None:
+            # Only a worker that created the pool removes the names: one that failed to
+            # (another engine has this engine_id) must not remove that engine's files.
             self._worker.close()
+            remove_published(self._pool_path)  # the scheduler removes it once read

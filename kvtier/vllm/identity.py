@@ -18,10 +18,18 @@ A request whose identity cannot be established (an adapter whose files cannot be
 a multimodal input without an identifier) is *refused*: kvtier loads nothing for it and
 stores nothing from it, and says so once per cause in the log. It never mixes.
 
+Every namespace digest also carries the engine's weights epoch
+(``RequestIdentities.bump_epoch``, called when vLLM resets its prefix cache after a
+weight update): KV computed with other weights is never found again.
+
+The per-chunk extras are self-delimiting and tagged (``encode_mm``, ``_embeds_extra``),
+so no two different inputs give the same bytes.
+
 Threads: ``RequestIdentities.of`` runs on vLLM's scheduler thread and touches memory
-only. Fingerprinting an adapter reads its files, so it runs once per adapter on a
-background thread; until it is done ``of`` answers ``PENDING`` and the caller asks again
-on a later step (as vLLM itself does with ``None``).
+only. Fingerprinting an adapter reads its files, and noticing that they changed stats
+them, so both run on a background thread (``AdapterFingerprints``); until a fingerprint
+is known ``of`` answers ``PENDING`` and the caller asks again on a later step (as vLLM
+itself does with ``None``).
 """
 
 from __future__ import annotations
@@ -29,15 +37,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.keys import Namespace
 
 log = logging.getLogger("kvtier.vllm")
@@ -46,6 +56,10 @@ log = logging.getLogger("kvtier.vllm")
 MAX_DIGESTS = 4096
 
 _READ = 1 << 20
+
+#: First byte of each kind of per-chunk extra: parts of different kinds never collide.
+_MM_TAG = b"\x01"
+_EMBEDS_TAG = b"\x02"
 
 
 class Pending(Enum):
@@ -71,25 +85,28 @@ class RequestIdentity:
     chunk_extra: Callable[[int], bytes] | None = None
 
 
+def _adapter_files(path: str | os.PathLike[str]) -> list[Path]:
+    if not str(path):
+        raise FileNotFoundError("the adapter has no local path")
+    root = Path(path).expanduser()
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise FileNotFoundError(f"no adapter files at {str(root)!r}")
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"adapter directory {str(root)!r} is empty")
+    return files
+
+
 def adapter_fingerprint(path: str | os.PathLike[str]) -> str:
     """A digest of every regular file of a LoRA adapter (names, sizes and contents).
 
     Adapters are small (megabytes to a few hundred), so all bytes are hashed, not a
     sample: two adapters that differ in one weight never share KV.
     """
-    if not str(path):
-        raise FileNotFoundError("the adapter has no local path")
-    root = Path(path).expanduser()
-    if root.is_file():
-        files = [root]
-    elif root.is_dir():
-        files = sorted(p for p in root.iterdir() if p.is_file())
-    else:
-        raise FileNotFoundError(f"no adapter files at {str(root)!r}")
-    if not files:
-        raise FileNotFoundError(f"adapter directory {str(root)!r} is empty")
     h = hashlib.blake2b(digest_size=16)
-    for f in files:
+    for f in _adapter_files(path):
         h.update(len(f.name).to_bytes(8, "little") + f.name.encode())
         h.update(f.stat().st_size.to_bytes(8, "little"))
         with open(f, "rb") as fh:
@@ -98,41 +115,180 @@ def adapter_fingerprint(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-class AdapterFingerprints:
-    """LoRA adapter fingerprints by ``(name, path)``, computed once on a background thread.
+#: ``(name, size, mtime_ns, inode, device)`` of every file of an adapter.
+Signature = tuple[tuple[str, int, int, int, int], ...]
 
-    ``get`` is called on the scheduler thread and never reads a file: it returns the
-    fingerprint, ``PENDING`` (started or still running), or raises ``Unsupported``.
+
+def adapter_signature(path: str | os.PathLike[str]) -> Signature:
+    """What changes when an adapter's files do: each file's name, size, mtime and inode
+    (a file rewritten in place, replaced by ``rename``, added or removed). Stats only."""
+    out = []
+    for f in _adapter_files(path):
+        st = f.stat()
+        out.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
+    return tuple(out)
+
+
+class _FilesChanged(Exception):
+    pass
+
+
+@dataclass
+class _Adapter:
+    """One ``(name, path)``: its fingerprint as of ``signature``, or why there is none."""
+
+    fingerprint: str | None = None
+    signature: Signature | None = None
+    checked_at: float = 0.0  # when the signature was last found unchanged
+    error: str | None = None  # the last check failed; retried at ``retry_at``
+    failures: int = 0
+    retry_at: float = 0.0
+    running: bool = False  # a check is queued or running
+
+
+class AdapterFingerprints:
+    """LoRA adapter fingerprints by ``(name, path)``, kept current on a background thread.
+
+    ``get`` is called on the scheduler thread and never touches a file: it answers the
+    fingerprint, ``PENDING``, or raises ``Unsupported``, from memory, and queues a check
+    when one is due. A check (on the background ``executor``) stats every file of the
+    adapter (``adapter_signature``) and re-reads them all only if the signature changed.
+    So:
+
+    * A new adapter is ``PENDING`` until fingerprinted.
+    * A known one is re-checked at most every ``revalidate_s``; meanwhile, and while the
+      check runs, ``get`` answers the fingerprint it has. A check that finds the files
+      changed drops it first (``PENDING`` until the new one is known), so KV is never
+      keyed by the fingerprint of files that are no longer there.
+    * A check that fails (unreadable, missing, or files changing while read) refuses the
+      adapter (``Unsupported``) until a retry, after ``retry_s`` doubling per failure up
+      to ``max_retry_s``; a retry that succeeds serves it again.
+
+    At most ``max_adapters`` entries are kept (least recently asked go first).
     """
 
-    def __init__(self, fingerprint: Callable[[str], str] = adapter_fingerprint) -> None:
+    def __init__(
+        self,
+        fingerprint: Callable[[str], str] = adapter_fingerprint,
+        *,
+        signature: Callable[[str], Any] = adapter_signature,
+        executor: Executor | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        revalidate_s: float = 5.0,
+        retry_s: float = 1.0,
+        max_retry_s: float = 60.0,
+        max_adapters: int = 1024,
+    ) -> None:
         self._fingerprint = fingerprint
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lora-fp")
+        self._signature = signature
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="kvtier-lora-fp")
+        self._clock = clock
+        self.revalidate_s = revalidate_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self.max_adapters = max_adapters
         self._lock = threading.Lock()
-        self._jobs: dict[tuple[str, str], Future[str]] = {}
+        self._entries: OrderedDict[tuple[str, str], _Adapter] = OrderedDict()
 
     def get(self, name: str, path: str) -> str | Pending:
         key = (name, path)
+        entry = self._due(key)
+        if entry is not None:
+            self._start(entry, path)
+        return self._answer(name, key)
+
+    def _due(self, key: tuple[str, str]) -> _Adapter | None:
+        """The entry of ``key`` if a check must start now (marked running), else None."""
+        now = self._clock.monotonic()
         with self._lock:
-            fut = self._jobs.get(key)
-            if fut is None:
-                fut = self._jobs[key] = self._pool.submit(self._fingerprint, path)
-        if not fut.done():
-            return PENDING
-        err = fut.exception()
-        if err is not None:
-            raise Unsupported(
-                f"LoRA adapter {name!r}: its files cannot be fingerprinted ({err}); "
-                "kvtier neither restores nor stores KV for it"
-            )
-        return fut.result()
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Adapter()
+                self._trim()
+            self._entries.move_to_end(key)
+            if entry.running:
+                return None
+            if entry.error is not None:
+                due = now >= entry.retry_at
+            else:
+                due = entry.fingerprint is None or now - entry.checked_at >= self.revalidate_s
+            entry.running = due
+            return entry if due else None
+
+    def _trim(self) -> None:
+        while len(self._entries) > self.max_adapters:
+            self._entries.popitem(last=False)
+
+    def _start(self, entry: _Adapter, path: str) -> None:
+        try:
+            self._executor.submit(self._check, entry, path)
+        except RuntimeError:  # the executor is shut down (closing)
+            with self._lock:
+                entry.running = False
+
+    def _answer(self, name: str, key: tuple[str, str]) -> str | Pending:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return PENDING
+            if entry.fingerprint is not None:
+                return entry.fingerprint
+            if entry.error is None or entry.running:  # first check, or a retry, running
+                return PENDING
+            err = entry.error
+        raise Unsupported(
+            f"LoRA adapter {name!r}: its files cannot be fingerprinted ({err}); kvtier "
+            "neither restores nor stores KV for it until a retry (in the background, "
+            "backing off) succeeds"
+        )
+
+    def _check(self, entry: _Adapter, path: str) -> None:
+        """Background thread: confirm or renew ``entry``'s fingerprint."""
+        try:
+            sig = self._signature(path)
+            with self._lock:
+                if entry.fingerprint is not None and entry.signature == sig:
+                    entry.checked_at = self._clock.monotonic()
+                    return
+                entry.fingerprint = None  # changed: PENDING until the new one is known
+            fp = self._fingerprint(path)
+            if self._signature(path) != sig:
+                raise _FilesChanged("its files changed while they were read")
+            with self._lock:
+                entry.fingerprint, entry.signature = fp, sig
+                entry.checked_at = self._clock.monotonic()
+                entry.error, entry.failures = None, 0
+        except Exception as e:  # every failure refuses the adapter until the retry
+            with self._lock:
+                entry.fingerprint = entry.signature = None
+                entry.failures += 1
+                entry.error = str(e) or type(e).__name__
+                backoff = min(self.max_retry_s, self.retry_s * 2 ** (entry.failures - 1))
+                entry.retry_at = self._clock.monotonic() + backoff
+        finally:
+            with self._lock:
+                entry.running = False
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def encode_mm(items: Sequence[tuple[str, int]]) -> bytes:
+    """Canonical bytes of ``(identifier, offset relative to the chunk start)`` pairs, in
+    order: a count, then per item the identifier's UTF-8 length and bytes and the offset
+    as a signed 64-bit integer. Self-delimiting, so two different lists never encode to
+    the same bytes (``tests/vllm/test_identity.py`` fuzzes it). ``b""`` for no items."""
+    if not items:
+        return b""
+    out = [_MM_TAG, len(items).to_bytes(8, "little")]
+    for ident, offset in items:
+        raw = ident.encode("utf-8", "surrogatepass")
+        out += [len(raw).to_bytes(8, "little"), raw, offset.to_bytes(8, "little", signed=True)]
+    return b"".join(out)
 
 
 def _mm_extra(features: list[Any], ct: int) -> Callable[[int], bytes]:
-    spans: list[tuple[int, int, bytes]] = []
+    spans: list[tuple[int, int, str]] = []
     for f in features:
         ident = getattr(f, "identifier", None)
         pos = getattr(f, "mm_position", None)
@@ -141,16 +297,12 @@ def _mm_extra(features: list[Any], ct: int) -> Callable[[int], bytes]:
                 "a multimodal input has no content identifier; kvtier cannot tell "
                 "its KV from another input's"
             )
-        spans.append((int(pos.offset), int(pos.length), str(ident).encode()))
+        spans.append((int(pos.offset), int(pos.length), str(ident)))
 
     def extra(c: int) -> bytes:
         lo, hi = c * ct, (c + 1) * ct
-        parts = [
-            b"mm:" + ident + b"@" + str(off - lo).encode()
-            for off, length, ident in spans
-            if off < hi and off + length > lo
-        ]
-        return b"|".join(parts)
+        return encode_mm([(ident, off - lo) for off, length, ident in spans
+                          if off < hi and off + length > lo])
 
     return extra
 
@@ -167,28 +319,53 @@ def _embeds_extra(embeds: Any, ct: int) -> Callable[[int], bytes]:
             return b""  # generated tokens: their ids are real
         part = embeds[lo:hi].detach().contiguous().cpu()
         raw = part.view(torch.uint8).numpy().tobytes()
-        return b"embeds:" + meta + hashlib.blake2b(raw, digest_size=16).digest()
+        return (_EMBEDS_TAG + len(meta).to_bytes(8, "little") + meta
+                + hashlib.blake2b(raw, digest_size=16).digest())
 
     return extra
 
 
 def _combine(parts: list[Callable[[int], bytes]]) -> Callable[[int], bytes] | None:
+    """One chunk-extra function of several. Each part is self-delimiting and starts with
+    its own tag (``encode_mm``, ``_embeds_extra``), so their concatenation in a fixed
+    order is unambiguous; an empty part adds nothing (a chunk no input overlaps keys
+    like plain text)."""
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
-    return lambda c: b"\x00".join(p(c) for p in parts)
+    return lambda c: b"".join(p(c) for p in parts)
 
 
 class RequestIdentities:
     """Builds ``RequestIdentity`` for vLLM requests. Scheduler thread only (not locked)."""
 
-    def __init__(self, namespace: Namespace, chunk_tokens: int) -> None:
+    def __init__(
+        self, namespace: Namespace, chunk_tokens: int,
+        adapters: AdapterFingerprints | None = None,
+    ) -> None:
         self.ns = namespace
         self.ct = chunk_tokens
-        self.adapters = AdapterFingerprints()
+        self.adapters = adapters or AdapterFingerprints()
+        self.epoch = 0
         self._digests: OrderedDict[tuple[str | None, str | None], bytes] = OrderedDict()
         self._refused: set[str] = set()
+
+    def bump_epoch(self) -> int:
+        """The engine's weights changed in place: every namespace digest made from now on
+        differs from every one made before (the epoch is mixed in; cached digests are
+        dropped). Returns the new epoch. In memory only: a restarted engine starts at 0,
+        the weights on disk, whose digests are those of an engine that never bumped.
+        Identities handed out before keep the old digest; the caller drops them.
+
+        The epoch is a fresh random 63-bit value, not a counter: a restarted engine is at
+        0 again, and a counter would give its first reset the epoch 1 that the previous
+        process used for other weights, in a namespace the shared tiers still hold."""
+        prev = self.epoch
+        while self.epoch in (0, prev):
+            self.epoch = secrets.randbits(63)
+        self._digests.clear()
+        return self.epoch
 
     def of(self, request: Any) -> RequestIdentity | Pending:
         """The identity of ``request``; ``PENDING`` while an adapter is fingerprinted.
@@ -226,7 +403,7 @@ class RequestIdentities:
         key = (salt, adapter)
         got = self._digests.get(key)
         if got is None:
-            got = self._digests[key] = self.ns.digest(salt, adapter=adapter)
+            got = self._digests[key] = self.ns.digest(salt, adapter=adapter, epoch=self.epoch)
             if len(self._digests) > MAX_DIGESTS:
                 self._digests.popitem(last=False)
         else:

@@ -59,6 +59,7 @@ from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_host_pool
+from kvtier.vllm.stopsignal import chain_stop_signals
 from kvtier.vllm.threshold import StepTimer, threshold_policy
 
 log = logging.getLogger("kvtier.vllm")
@@ -178,13 +179,15 @@ class SchedulerSide:
         self.wait_s = cfg.restore.wait_seconds
         self.lease_s = cfg.retention.lease_seconds
         self.flusher: IdleFlusher | None = None
-        if (cfg.idle_flush_seconds > 0 or cfg.max_dirty_seconds > 0) and any(
-            lt.write is WritePolicy.BACK for lt in self.store.lower
-        ):
-            self.flusher = IdleFlusher(self.store, cfg.idle_flush_seconds,
-                                       max_dirty_s=cfg.max_dirty_seconds, clock=clock)
-            if store is None:  # the engine's own store: run in the background
-                self.flusher.start()
+        if self.store.lower:
+            back = any(lt.write is WritePolicy.BACK for lt in self.store.lower)
+            self.flusher = IdleFlusher(
+                self.store, cfg.idle_flush_seconds if back else 0.0,
+                max_dirty_s=cfg.max_dirty_seconds if back else 0.0,
+                stop_budget_s=cfg.shutdown_flush_seconds, clock=clock)
+            if store is None:  # the engine's own store: run in the background, and
+                self.flusher.start()  # start flushing at the first stop signal
+                chain_stop_signals(self.flusher.request_stop)
 
     def _build_store(self, pool_path: Any) -> TieredStore:
         """The store over the worker's pool (it created, touched and page-locked it)."""
@@ -551,33 +554,51 @@ class SchedulerSide:
         return bool(self._saves)
 
     def reset(self) -> bool:
-        """``reset_cache`` (vLLM's ``reset_prefix_cache``; RL trainers call it after a
-        weight sync): from now on this engine never serves KV it stored before.
+        """``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``).
 
-        The weights epoch is bumped (``RequestIdentities.bump_epoch``: every namespace
-        digest made from now on differs), cached keys and staged lookups of waiting
-        requests are dropped, and the host tier is emptied, dirty chunks included: they
-        may have been computed with the old weights, so they are dropped, never written
-        below. Lower tiers keep what they hold (other nodes and restarts share them; the
-        old epoch's keys are never asked for again here, and after a restart epoch 0
-        means the weights on disk again). Memory only: returns at once.
+        ``reset_cache: weights`` (default; RL trainers reset after a weight sync): from
+        now on this engine never serves KV it stored before. The weights epoch is bumped
+        (``RequestIdentities.bump_epoch``: every namespace digest made from now on
+        differs), cached keys and staged lookups of waiting requests are dropped, and the
+        host tier is emptied, dirty chunks included: they may have been computed with the
+        old weights, so they are dropped, never written below. Lower tiers keep what they
+        hold (other nodes and restarts share them; this engine never asks for the old
+        epoch's keys again, and after a restart epoch 0 means the weights on disk again).
+        Memory only: returns at once.
+
+        ``reset_cache: host``: only the host tier is emptied, dirty chunks written below
+        first (bounded by ``shutdown_flush_seconds``); what the lower tiers hold is still
+        served.
         """
         for rid in list(self._lookups):
             self._forget(rid)
-        self._key_cache.clear()
         self._probes.clear()
         self._waiting.clear()
+        if self.cfg.reset_cache == "host":
+            n = self.store.drop_host(self.cfg.shutdown_flush_seconds)
+            log.info("kvtier: reset dropped %d host chunks", n)
+            return True
+        self._key_cache.clear()
         self.identities.bump_epoch()
         n = self.store.drop_host()
         log.info("kvtier: reset: new weights epoch, dropped %d host chunks", n)
         return True
 
+    def stop_flush_pending(self) -> bool:
+        """A stop signal started a flush that is still running (within its budget): vLLM's
+        engine loop keeps stepping (``has_pending_push_work``), so its own signal handler
+        stays installed and a second SIGTERM cannot kill the flush. Memory only."""
+        return self.flusher is not None and self.flusher.stop_flush_pending()
+
     def close(self) -> None:
-        """Engine shutdown: flush dirty host chunks below, most recent first, bounded by
-        ``shutdown_flush_seconds``, so a restarted engine restores them."""
+        """Engine shutdown: flush dirty host chunks below, most recent first, and finish
+        queued writes, all within ``shutdown_flush_seconds`` (including a flush a stop
+        signal already started), so a restarted engine restores them."""
+        budget = self.cfg.shutdown_flush_seconds
+        t0 = time.monotonic()
         for rid in list(self._lookups):
             self._forget(rid)
         if self.flusher is not None:
-            self.flusher.close()
-        self.store.shutdown(self.cfg.shutdown_flush_seconds)
+            self.flusher.close(timeout=budget)
+        self.store.shutdown(max(0.0, budget - (time.monotonic() - t0)))
         self.identities.close()

@@ -274,7 +274,11 @@ class WorkerSide:
                 "load_errors": len(self._load_errors)}
 
     def close(self) -> None:
-        remove_pool(self.pool_path)
+        """Remove the shared pool's name, only if this worker created it (a worker whose
+        create failed, e.g. another engine with the same ``engine_id`` holds the name,
+        must not remove that engine's pool)."""
+        if self.host_pool is not None:
+            remove_pool(self.pool_path)
 
 
 def forward_runs_layer_by_layer(forward_context: Any) -> bool:

@@ -47,6 +47,7 @@ def fp32(engine_factory: EngineFactory, tiny_fp32: Path, shared_store: Path,
     cfg = write_config(
         tmp_path_factory.mktemp("cfg") / "fp32.yaml",
         [{"file": {"path": str(shared_store), "capacity": "1GiB", "write": "through"}}],
+        reset_cache="host",  # resets leave prompts on the file tier only
     )
     return engine_factory(tiny_fp32, cfg, enable_prefix_caching=True,
                           num_gpu_blocks_override=SMALL_KV_BLOCKS)
@@ -192,7 +193,8 @@ def test_one_lower_tier_on_a_storage_server(
                        "region": "us-east-1", "path_style": True, "capacity": "1GiB",
                        "write": "through", "part_size": "8MiB", "multipart_threshold": "64MiB"}}
         name = "s31"
-    cfg = write_config(tmp_path_factory.mktemp("cfg") / f"{server}.yaml", [tier])
+    cfg = write_config(tmp_path_factory.mktemp("cfg") / f"{server}.yaml", [tier],
+                       reset_cache="host")
     eng = engine_factory(tiny_fp32, cfg, enable_prefix_caching=False)
     p = tokens(900, seed=91)
     first = eng.generate([p], max_tokens=OUT).outputs[0]

@@ -5,16 +5,21 @@ Requests are plain records with the attributes of vLLM's ``Request`` that kvtier
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.build import build_store
+from kvtier.clock import ManualClock
 from kvtier.config import KVTierConfig
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.vllm.geometry import Geometry
@@ -26,8 +31,13 @@ from kvtier.vllm.identity import (
     RequestIdentity,
     Unsupported,
     adapter_fingerprint,
+    adapter_signature,
+    encode_mm,
 )
 from kvtier.vllm.scheduler_side import SchedulerSide
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 CT = 16
 NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
@@ -60,13 +70,35 @@ def _mm(ident: str | None, offset: int, length: int) -> SimpleNamespace:
                                                                          length=length))
 
 
+class Inline(Executor):
+    """Runs each job at once on the calling thread: fingerprints are known immediately."""
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        fut: Future[T] = Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+class Recorded(ThreadPoolExecutor):
+    """A real background thread whose jobs a test can wait for."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.jobs: list[Future[Any]] = []
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        fut = super().submit(fn, *args, **kwargs)
+        self.jobs.append(fut)
+        return fut
+
+    def drain(self) -> None:
+        for fut in self.jobs:
+            fut.result(timeout=10)
+
+
 def _ready(ids: RequestIdentities, req: SimpleNamespace) -> RequestIdentity:
-    """The identity, once the adapter fingerprint (a background job) is done."""
+    """The identity; the fixture's adapters fingerprint inline, so it is known at once."""
     got = ids.of(req)
-    if got is PENDING:
-        for fut in ids.adapters._jobs.values():
-            fut.exception()  # wait; a failure is raised by ``of`` below
-        got = ids.of(req)
     assert isinstance(got, RequestIdentity)
     return got
 
@@ -77,7 +109,7 @@ def _keys(ident: RequestIdentity) -> list[ChunkKey]:
 
 @pytest.fixture
 def ids() -> Iterator[RequestIdentities]:
-    ident = RequestIdentities(NS, CT)
+    ident = RequestIdentities(NS, CT, AdapterFingerprints(executor=Inline()))
     yield ident
     ident.close()
 
@@ -114,11 +146,12 @@ def test_an_adapter_is_pending_until_fingerprinted_and_the_hook_asks_again(
         gate.wait(10)
         return "fp"
 
-    fps = AdapterFingerprints(slow)
+    pool = Recorded()
+    fps = AdapterFingerprints(slow, signature=lambda p: (), executor=pool, clock=ManualClock())
     try:
         assert fps.get("a", "/x") is PENDING
         gate.set()
-        fps._jobs[("a", "/x")].result()
+        pool.drain()
         assert fps.get("a", "/x") == "fp"
     finally:
         fps.close()
@@ -202,9 +235,228 @@ def test_a_pending_adapter_makes_the_hook_ask_again(sched: SchedulerSide, tmp_pa
         gate.wait(10)
         return "fp"
 
-    sched.identities.adapters = AdapterFingerprints(slow)
+    pool = Recorded()
+    sched.identities.adapters = AdapterFingerprints(slow, signature=lambda p: (),
+                                                    executor=pool, clock=ManualClock())
     req = _req(lora_request=_lora("a", tmp_path))
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     gate.set()
-    sched.identities.adapters._jobs[("a", str(tmp_path))].result()
+    pool.drain()
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored yet
+
+
+# -- LoRA adapters whose files change ----------------------------------------------------------
+def _fps(clock: ManualClock, **kw: Any) -> AdapterFingerprints:
+    return AdapterFingerprints(executor=kw.pop("executor", Inline()), clock=clock, **kw)
+
+
+def test_an_adapter_rewritten_in_place_is_fingerprinted_again(tmp_path: Path) -> None:
+    clock = ManualClock()
+    fps = _fps(clock, revalidate_s=5.0)
+    a = _adapter(tmp_path, "a", b"weights-1")
+    first = fps.get("a", str(a))
+    assert first == adapter_fingerprint(a)
+    (a / "adapter_model.safetensors").write_bytes(b"weights-2")
+    assert fps.get("a", str(a)) == first, "not re-checked before revalidate_s"
+    clock.advance(5.0)
+    assert fps.get("a", str(a)) == adapter_fingerprint(a) != first
+
+
+def test_an_adapter_replaced_by_rename_with_the_same_size_is_noticed(tmp_path: Path) -> None:
+    clock = ManualClock()
+    fps = _fps(clock, revalidate_s=1.0)
+    a = _adapter(tmp_path, "a", b"AAAA")
+    first = fps.get("a", str(a))
+    new = tmp_path / "staged"
+    new.write_bytes(b"BBBB")  # same size; another inode
+    os.utime(new, ns=(0, (a / "adapter_model.safetensors").stat().st_mtime_ns))  # same mtime
+    new.rename(a / "adapter_model.safetensors")
+    clock.advance(1.0)
+    assert fps.get("a", str(a)) != first
+
+
+def test_unchanged_files_are_stated_not_read_again(tmp_path: Path) -> None:
+    reads: list[str] = []
+
+    def counting(path: str) -> str:
+        reads.append(path)
+        return adapter_fingerprint(path)
+
+    clock = ManualClock()
+    fps = AdapterFingerprints(counting, executor=Inline(), clock=clock, revalidate_s=1.0)
+    a = _adapter(tmp_path, "a", b"w")
+    for _ in range(3):
+        assert fps.get("a", str(a)) == adapter_fingerprint(a)
+        clock.advance(1.0)
+    assert reads == [str(a)]
+
+
+def test_changed_files_are_pending_until_fingerprinted_again(tmp_path: Path) -> None:
+    a = _adapter(tmp_path, "a", b"weights-1")
+    entered, gate = threading.Event(), threading.Event()
+    calls = 0
+
+    def gated(path: str) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            entered.set()
+            gate.wait(10)
+        return adapter_fingerprint(path)
+
+    clock, pool = ManualClock(), Recorded()
+    fps = AdapterFingerprints(gated, executor=pool, clock=clock, revalidate_s=1.0)
+    try:
+        assert fps.get("a", str(a)) is PENDING
+        pool.drain()
+        first = fps.get("a", str(a))
+        (a / "adapter_model.safetensors").write_bytes(b"weights-22")
+        clock.advance(1.0)
+        assert fps.get("a", str(a)) == first, "answered from memory while the check runs"
+        assert entered.wait(10)  # the check saw the new signature and re-reads the files
+        assert fps.get("a", str(a)) is PENDING, "never the old fingerprint for new files"
+        gate.set()
+        pool.drain()
+        assert fps.get("a", str(a)) == adapter_fingerprint(a) != first
+    finally:
+        gate.set()
+        fps.close()
+
+
+def test_the_scheduler_thread_never_touches_adapter_files(tmp_path: Path) -> None:
+    threads: set[str] = set()
+
+    def sig(path: str) -> Any:
+        threads.add(threading.current_thread().name)
+        return adapter_signature(path)
+
+    def fp(path: str) -> str:
+        threads.add(threading.current_thread().name)
+        return adapter_fingerprint(path)
+
+    clock, pool = ManualClock(), Recorded()
+    fps = AdapterFingerprints(fp, signature=sig, executor=pool, clock=clock, revalidate_s=1.0)
+    a = _adapter(tmp_path, "a", b"w")
+    try:
+        for _ in range(3):
+            fps.get("a", str(a))
+            pool.drain()
+            clock.advance(1.0)
+        assert threads and threading.current_thread().name not in threads
+    finally:
+        fps.close()
+
+
+def test_a_failed_fingerprint_is_retried_after_a_backoff(tmp_path: Path) -> None:
+    a = tmp_path / "late"
+    clock = ManualClock()
+    fps = _fps(clock, retry_s=1.0, max_retry_s=60.0)
+    with pytest.raises(Unsupported, match="LoRA adapter 'late'"):
+        fps.get("late", str(a))
+    clock.advance(0.5)
+    with pytest.raises(Unsupported):
+        fps.get("late", str(a))  # refused from memory during the backoff
+    clock.advance(0.5)
+    with pytest.raises(Unsupported):
+        fps.get("late", str(a))  # retried: still missing, next try in 2 s
+    clock.advance(1.0)
+    _adapter(tmp_path, "late", b"w")
+    with pytest.raises(Unsupported):
+        fps.get("late", str(a))  # the backoff doubled
+    clock.advance(1.0)
+    assert fps.get("late", str(a)) == adapter_fingerprint(a)
+
+
+def test_an_adapter_that_disappears_is_refused_not_served_stale(tmp_path: Path) -> None:
+    clock = ManualClock()
+    fps = _fps(clock, revalidate_s=1.0)
+    a = _adapter(tmp_path, "a", b"w")
+    assert isinstance(fps.get("a", str(a)), str)
+    for f in a.iterdir():
+        f.unlink()
+    clock.advance(1.0)
+    with pytest.raises(Unsupported, match="empty"):
+        fps.get("a", str(a))
+
+
+# -- weights epoch -------------------------------------------------------------------------------
+def test_epoch_zero_is_the_digest_without_an_epoch() -> None:
+    assert NS.digest(epoch=0) == NS.digest()
+    assert NS.digest("s", adapter="a\x00f", epoch=0) == NS.digest("s", adapter="a\x00f")
+    assert len({NS.digest(epoch=e) for e in range(4)}) == 4
+    with pytest.raises(ValueError, match="epoch"):
+        NS.digest(epoch=-1)
+
+
+def test_bump_epoch_changes_every_key_and_a_restart_starts_at_zero(
+    ids: RequestIdentities,
+) -> None:
+    before = _keys(_ready(ids, _req(cache_salt="t")))
+    first = ids.bump_epoch()
+    assert first != 0
+    after = _keys(_ready(ids, _req(cache_salt="t")))
+    assert not set(before) & set(after)
+    assert _keys(_ready(ids, _req(cache_salt="t"))) == after, "stable within an epoch"
+    assert ids.bump_epoch() not in (0, first)  # a new epoch every time
+    assert not set(_keys(_ready(ids, _req(cache_salt="t")))) & (set(after) | set(before))
+    restarted = RequestIdentities(NS, CT, AdapterFingerprints(executor=Inline()))
+    try:
+        assert _keys(_ready(restarted, _req(cache_salt="t"))) == before
+    finally:
+        restarted.close()
+
+
+# -- multimodal encoding -------------------------------------------------------------------------
+def _decode_mm(raw: bytes) -> list[tuple[str, int]]:
+    """The inverse of ``encode_mm``: that it exists proves the encoding is injective."""
+    if not raw:
+        return []
+    assert raw[:1] == b"\x01"
+    n, pos, out = int.from_bytes(raw[1:9], "little"), 9, []
+    for _ in range(n):
+        size = int.from_bytes(raw[pos : pos + 8], "little")
+        ident = raw[pos + 8 : pos + 8 + size].decode("utf-8", "surrogatepass")
+        pos += 8 + size
+        out.append((ident, int.from_bytes(raw[pos : pos + 8], "little", signed=True)))
+        pos += 8
+    assert pos == len(raw)
+    return out
+
+
+#: Identifiers of any code points, lone surrogates included; offsets of any int64.
+_IDENT = st.text(st.characters(exclude_categories=()), max_size=12)
+_ITEMS = st.lists(st.tuples(_IDENT, st.integers(-(2**63), 2**63 - 1)), max_size=6)
+
+
+@given(_ITEMS)
+def test_mm_encoding_round_trips(items: list[tuple[str, int]]) -> None:
+    assert _decode_mm(encode_mm(items)) == items
+
+
+@given(_ITEMS, _ITEMS)
+def test_different_mm_inputs_never_encode_alike(
+    a: list[tuple[str, int]], b: list[tuple[str, int]]
+) -> None:
+    assert (encode_mm(a) == encode_mm(b)) == (a == b)
+
+
+def test_the_old_ambiguous_mm_encoding_is_gone(ids: RequestIdentities) -> None:
+    # Before: b"mm:" + id + b"@" + offset joined by b"|". Two images "x" at 0 and "y" at 5
+    # gave the bytes of one image named "x@0|mm:y" at 5.
+    two = _ready(ids, _req(mm_features=[_mm("x", 0, 1), _mm("y", 5, 1)]))
+    one = _ready(ids, _req(mm_features=[_mm("x@0|mm:y", 5, 1)]))
+    assert two.chunk_extra is not None and one.chunk_extra is not None
+    assert two.chunk_extra(0) != one.chunk_extra(0)
+
+
+def test_mm_and_prompt_embeds_parts_cannot_stand_in_for_each_other(
+    ids: RequestIdentities,
+) -> None:
+    e = torch.zeros(CT, 4)
+    both = _ready(ids, _req(mm_features=[_mm("img", 0, 4)], prompt_embeds=e))
+    only_mm = _ready(ids, _req(mm_features=[_mm("img", 0, 4)]))
+    only_e = _ready(ids, _req(prompt_embeds=e))
+    assert both.chunk_extra and only_mm.chunk_extra and only_e.chunk_extra
+    got = {both.chunk_extra(0), only_mm.chunk_extra(0), only_e.chunk_extra(0)}
+    assert len(got) == 3
+    assert both.chunk_extra(1) == b"", "a chunk no input overlaps keys like text"

@@ -40,6 +40,7 @@ def server(tiny_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cfg = write_config(
         tmp / "kvtier.yaml",
         [{"file": {"path": str(tmp / "store"), "capacity": "1GiB", "write": "through"}}],
+        reset_cache="host",  # the reset leaves the prompt on the file tier only
     )
     with APIServer(tmp, model=tiny_fp32, name="metrics",
                    kv_transfer_config=kv_transfer_config(cfg),

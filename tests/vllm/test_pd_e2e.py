@@ -266,6 +266,31 @@ def test_concurrent_streaming_conversations_never_mix(pd: PD) -> None:
     assert asyncio.run(main()) == refs
 
 
+def test_a_swarm_on_a_new_prefix_each_decode_restores_its_own_suffix(pd: PD) -> None:
+    """Four conversations start at once on one new 300-token system prompt: the prefill
+    node saves the shared chunks once (the others back them up) and every request's own
+    chunks, and each decode restores its own suffix (issue 17: three of four used to
+    announce nothing)."""
+    system = _tokens(300, seed=40)
+    prompts = {f"swarm{i}": system + _tokens(300, seed=41 + i) for i in range(4)}
+    refs = {c: pd.reference(p, 8)["token_ids"] for c, p in prompts.items()}
+
+    async def main() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(c: str) -> httpx.Response:
+                body = {**BASE, "prompt": prompts[c], "max_tokens": 8, "conversation_id": c}
+                return await client.post(pd.router_url + "/v1/completions", json=body)
+            outs = await asyncio.gather(*(one(c) for c in prompts))
+        return dict(zip(prompts, outs, strict=True))
+
+    for c, r in asyncio.run(main()).items():
+        params = _kvtier(r)
+        assert r.json()["choices"][0]["token_ids"] == refs[c], c
+        # chunks 2-3 are this conversation's own: only kvtier can have them (the decode
+        # node's prefix cache may hold the shared chunks 0-1 from a sibling)
+        assert params["restored_tokens"] >= 256, (c, params)
+
+
 def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> None:
     first = {c: _tokens(600, seed=s) for c, s in (("expire", 5), ("renew", 6))}
     seconds = {}

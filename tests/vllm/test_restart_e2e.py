@@ -1,17 +1,22 @@
 """A stopped API server keeps its write-back cache: a restarted one restores conversations.
 
 Host tier + a *write-back* file tier: while the server runs, a conversation's chunks live
-only in the host pool (dirty). Before issue 12 a restart restored nothing. Two paths
-write them below, and each is shown here with a real SIGTERM (as systemd and Kubernetes
-stop a server) and a restart that restores the next turn with tokens identical to a
-recompute:
+only in the host pool (dirty). Each of the four ways a server is stopped is shown here
+with a real SIGTERM and a restart that restores the conversation with tokens identical to
+a recompute, wherever the design promises it (README, "What survives a stop"):
 
-* the idle flush: vLLM's default ``--shutdown-timeout 0`` kills the engine core at once
-  after SIGTERM, so what an idle engine wrote in the background is what survives;
-* the shutdown flush: with a drain window (``--shutdown-timeout 30``), the connector's
-  ``shutdown()`` writes what is dirty, most recently used first. The signal goes to the
-  API server process only, as Kubernetes and ``docker stop`` send it (see
-  ``APIServer.terminate_main``).
+* SIGTERM to the API server only (Kubernetes, ``docker stop``, systemd ``KillMode=mixed``)
+  or to the whole process group (systemd's default ``control-group``), each
+* with vLLM's default ``--shutdown-timeout 0``: the API server SIGKILLs the engine core
+  milliseconds after its SIGTERM, so no flush can run then. What is promised is what
+  ``max_dirty_seconds`` wrote: the test stops the server once that bound has passed;
+* with ``--shutdown-timeout 30``: the stop signal starts a flush at once (kvtier chains
+  vLLM's engine-core handler), the engine loop stays up until it is done, and the
+  connector's ``shutdown()`` finishes it. The test stops the server right after the
+  request, with ``max_dirty_seconds`` and the idle flush out of the way.
+
+One server is started per path; each restart checks the previous path, then is stopped
+the next way.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from tests.vllm.conftest import write_config
 
 pytestmark = pytest.mark.vllm
 
-P_IDLE = tokens(900, seed=1301)  # three full 256-token chunks and a tail
-P_SHUTDOWN = tokens(900, seed=1302)
+PROMPTS = {path: tokens(900, seed=1300 + i) for i, path in enumerate(
+    ["api-0", "api-30", "group-0", "group-30"])}  # three full 256-token chunks and a tail
+DRAIN = ["--shutdown-timeout", "30"]
 
 
 def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
@@ -60,39 +66,46 @@ def objects(store: Path) -> int:
     return len(list(store.rglob("*.kv")))
 
 
-def test_a_restarted_server_restores_what_the_idle_and_the_shutdown_flush_wrote(
+def _wait_objects(store: Path, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while objects(store) < n:
+        assert time.monotonic() < deadline, f"{n} objects never reached the write-back tier"
+        time.sleep(0.2)  # polling another process, not driving test time
+
+
+def test_every_stop_path_keeps_what_the_design_promises(
     tiny_fp32: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     tmp = tmp_path_factory.mktemp("rs")  # vLLM's IPC socket paths must stay short
     store = tmp / "store"
     tier = [{"file": {"path": str(store), "capacity": "1GiB", "write": "back"}}]
-    idle = kv_transfer_config(write_config(tmp / "idle.yaml", tier, idle_flush_seconds=1))
-    no_idle = kv_transfer_config(write_config(tmp / "shutdown.yaml", tier,
-                                              idle_flush_seconds=0, shutdown_flush_seconds=20))
-    drain = ["--shutdown-timeout", "30"]
-
-    with APIServer(tmp, model=tiny_fp32, name="first", kv_transfer_config=idle) as srv:
-        ref_idle = reference(srv.url, P_IDLE)
-        assert not restored(complete(srv.url, P_IDLE))
-        deadline = time.monotonic() + 60
-        while objects(store) < 3:  # the engine is idle now: the flusher writes
-            assert time.monotonic() < deadline, "the idle flush wrote nothing"
-            time.sleep(0.2)  # polling another process, not driving test time
-    # SIGTERM with vLLM's default --shutdown-timeout 0: the engine core is killed at once.
-
-    with APIServer(tmp, model=tiny_fp32, name="second", kv_transfer_config=no_idle,
-                   extra_args=drain) as srv:
-        r = complete(srv.url, P_IDLE)
-        assert restored(r).get("file1", 0) >= 768
-        assert r["choices"][0]["text"] == ref_idle
-        before = objects(store)
-        ref_shutdown = reference(srv.url, P_SHUTDOWN)
-        assert not restored(complete(srv.url, P_SHUTDOWN))
-        assert objects(store) == before, "no idle flush: the new chunks are only in host"
-        assert srv.terminate_main() == 0
-    assert objects(store) >= before + 3, "SIGTERM with a drain window flushed them"
-
-    with APIServer(tmp, model=tiny_fp32, name="third", kv_transfer_config=no_idle) as srv:
-        r = complete(srv.url, P_SHUTDOWN)
-    assert restored(r).get("file1", 0) >= 768
-    assert r["choices"][0]["text"] == ref_shutdown
+    # timeout 0: only max_dirty_seconds writes (no idle flush), and the test waits for it
+    aged = kv_transfer_config(write_config(tmp / "aged.yaml", tier, idle_flush_seconds=0,
+                                           max_dirty_seconds=1))
+    # timeout 30: nothing is written before the stop signal
+    held = kv_transfer_config(write_config(tmp / "held.yaml", tier, idle_flush_seconds=0,
+                                           max_dirty_seconds=0, shutdown_flush_seconds=20))
+    plan = [("api-0", aged, []), ("api-30", held, DRAIN),
+            ("group-0", aged, []), ("group-30", held, DRAIN)]
+    previous: tuple[str, str] | None = None  # (path, its reference text)
+    for i, (path, cfg, args) in enumerate([*plan, ("check", held, [])]):
+        with APIServer(tmp, model=tiny_fp32, name=f"s{i}", kv_transfer_config=cfg,
+                       extra_args=args) as srv:
+            if previous is not None:
+                r = complete(srv.url, PROMPTS[previous[0]])
+                assert restored(r).get("file1", 0) >= 768, f"after {previous[0]}"
+                assert r["choices"][0]["text"] == previous[1], f"after {previous[0]}"
+            if path == "check":
+                break
+            ref = reference(srv.url, PROMPTS[path])
+            before = objects(store)
+            assert not restored(complete(srv.url, PROMPTS[path]))
+            if args:  # stopped right after the request: the stop signal's flush
+                assert objects(store) == before, "nothing below before the stop"
+            else:  # stopped once max_dirty_seconds has written the chunks
+                _wait_objects(store, before + 3)
+            code = srv.terminate_main() if path.startswith("api") else srv.terminate_group()
+            assert code is not None, f"{path}: the server did not stop"
+            srv.proc = None  # stopped: nothing left for __exit__
+        assert objects(store) >= before + 3, f"{path}: the chunks are below"
+        previous = (path, ref)
