@@ -91,24 +91,37 @@ class IdleFlusher:
         """The flush a stop signal asks for: dirty chunks most recent first, then every
         queued write, within ``stop_budget_s`` of the request. Runs on the flusher's
         thread (or a test's)."""
-        t0 = self._stop_started = self.clock.monotonic()
-        report = self.store.flush_dirty(self.stop_budget_s, self.clock)
-        self.store.flush(max(0.0, self.stop_budget_s - (self.clock.monotonic() - t0)))
+        if self._stop_started is None:
+            self._stop_started = self.clock.monotonic()
+        t0 = self._stop_started
+        try:
+            left_s = max(0.0, self.stop_budget_s - (self.clock.monotonic() - t0))
+            report = self.store.flush_dirty(left_s, self.clock)
+            self.store.flush(max(0.0, self.stop_budget_s - (self.clock.monotonic() - t0)))
+        finally:
+            self.stop_flushed.set()  # never hold vLLM's loop up on a flush that raised
         self.stop_report = report
-        self.stop_flushed.set()
         log.info("kvtier: stop signal: wrote %d dirty chunks below in %.2f s, %d left",
                  report.flushed, report.seconds, report.left)
         return report
+
+    def stop_deadline_left(self, budget_s: float) -> float:
+        """Of ``budget_s`` counted from the stop signal's flush (or from now if none
+        started), the seconds left: a shutdown after a stop flush gets one budget in all."""
+        started = self._stop_started
+        if started is None:
+            return budget_s
+        return max(0.0, budget_s - (self.clock.monotonic() - started))
 
     def tick(self) -> int:
         """Queue chunks dirty for ``max_dirty_s`` (busy or not, into half the store
         queue's free room), then, if the engine has been idle for ``idle_s`` and the store
         queue is empty, a batch of any dirty chunks. Returns how many were queued."""
         n = 0
-        if self.max_dirty_s > 0:
-            room = self.store.io.free_store_slots() // 2
+        room = self.store.io.free_store_slots() // 2
+        if self.max_dirty_s > 0 and room and self.store.can_write_back():
             cutoff = self.store.host.clock.monotonic() - self.max_dirty_s
-            aged = self.store.write_back_some(max(1, room), older_than=cutoff)
+            aged = self.store.write_back_some(room, older_than=cutoff)
             self.aged += aged
             n += aged
         idle = self.idle_s > 0 and self.clock.monotonic() - self._last_busy >= self.idle_s

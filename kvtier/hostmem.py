@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -42,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.sizes import format_size
+
+log = logging.getLogger("kvtier.hostmem")
 
 if TYPE_CHECKING:
     import torch
@@ -136,15 +140,23 @@ def create_shared(path: Path, nbytes: int, *, setting: str) -> mmap.mmap:
     try:
         fd = os.open(path, _CREATE, 0o600)
     except FileExistsError:
-        raise SharedFileExists(_exists_message(path)) from None
+        if not _remove_if_stale(path, nbytes):
+            raise SharedFileExists(_exists_message(path)) from None
+        try:
+            fd = os.open(path, _CREATE, 0o600)
+        except FileExistsError:
+            raise SharedFileExists(_exists_message(path)) from None
     try:
+        # Held for the creator's life: a file whose lock nobody holds was left by a
+        # creator that died (e.g. in vLLM's warm-up, before the scheduler attached).
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
+        os.close(fd)
         remove_shared(path)
         raise
-    finally:
-        os.close(fd)
+    _creator_locks[str(path)] = fd
     if not _POPULATE:
         touch_pages(mm)
     return mm
@@ -187,10 +199,49 @@ def attach_shared(path: Path, nbytes: int, *, unlink: bool = True) -> mmap.mmap:
     return mm
 
 
+def _remove_if_stale(path: Path, nbytes: int) -> bool:
+    """Unlink ``path`` if it is a pool a dead creator left: a regular file of this user,
+    exactly ``nbytes`` long, that no live creator holds (a creator's ``flock`` goes with
+    its process). True if it was removed; anything else is left alone. Local
+    ``/dev/shm`` only: ``flock`` is never used on shared storage."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # a symlink (ELOOP), gone meanwhile, or not ours to open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its creator is alive: another engine with this engine_id
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        log.warning("kvtier: removing %s, a shared host pool left by an engine that "
+                    "exited before its scheduler attached", path)
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+#: path -> fd of each pool this process created, kept open (and locked) until removed
+_creator_locks: dict[str, int] = {}
+
+
 def remove_shared(path: Path) -> None:
-    """Unlink a shared pool's name; a name already gone is fine."""
+    """Unlink a shared pool's name; a name already gone is fine. The creator's lock on
+    it is released."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+    fd = _creator_locks.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def register_pinned(buf: torch.Tensor | Any, *, owner: object) -> bool:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -190,6 +190,13 @@ class TieredStore:
             where.append(i)
         return Lookup(tuple(keys[: len(where)]), tuple(where))
 
+    def can_write_back(self) -> bool:
+        """Would a write to some write-back tier be tried now (its breaker up, or cooled
+        down enough for a trial)? Memory only."""
+        return any(b.up or b.available() for lt, b in zip(self.lower, self.breakers,
+                                                           strict=True)
+                   if lt.write is WritePolicy.BACK)
+
     def can_probe(self) -> bool:
         """Memory only: would ``probe`` ask any lower tier now? (No tier, every tier
         down, or every tier at its read bound: asking would only queue behind a hang.)"""
@@ -284,9 +291,10 @@ class TieredStore:
         flight). Memory only."""
         return self.host.index.contains(key) or self.host.index.pending(key)
 
-    def saving(self, key: ChunkKey) -> bool:
-        """``key`` is being written into a host slot and not published yet. Memory only."""
-        return self.host.index.pending(key)
+    def saving(self, key: ChunkKey) -> int:
+        """How many saves are writing ``key`` into a host slot, not published yet (0: none;
+        2: a save and its backup, the most there are). Memory only."""
+        return self.host.index.writers(key)
 
     def abort(self, slot: int) -> None:
         """Give back a reserved slot whose copy failed; nothing is published."""
@@ -297,7 +305,7 @@ class TieredStore:
         False if another reservation of the key was published first (a backup that lost:
         its slot is freed, nothing is queued)."""
         if not self.host.commit(slot, meta, dirty=bool(self._back)):
-            return False
+            return False  # the caller may rewrite_through([meta.key]) if it announced it
         self.host.metrics.wrote(meta.payload_len)
         for tier in self._through:
             self._queue_write(slot, meta, [tier], spill=False, kind="write_through")
@@ -621,6 +629,8 @@ class TieredStore:
     def _cleaned(self, slot: int, key: ChunkKey, fut: Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None and fut.result():
             self.host.index.mark_clean(slot, key)  # a dirty slot is never reused
+        else:  # stays dirty; its age restarts, so the aged write-back backs off
+            self.host.index.write_failed(slot, key)
 
     def flush_dirty(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> FlushReport:
         """Write dirty host chunks to the write-back tiers, most recently used first, for at
@@ -637,7 +647,13 @@ class TieredStore:
         while (left_s := deadline - clock.monotonic()) > 0:
             jobs = self._write_back_batch(batch_n, failed)
             if not jobs:
-                break
+                # nothing could be queued: done, or every dirty chunk left is being
+                # written by another job already (a spill), or the store queue is full
+                if not self._inflight or not self.host.index.dirty_keys() - failed:
+                    break
+                wait(list(self._inflight), timeout=min(left_s, 0.5),
+                     return_when=FIRST_COMPLETED)
+                continue
             done, pending = wait(list(jobs), timeout=left_s)
             for fut in done:
                 if not fut.cancelled() and fut.exception() is None and fut.result():

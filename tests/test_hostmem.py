@@ -92,6 +92,20 @@ def test_an_existing_shared_file_is_an_error_that_says_what_to_do(tmp_path: Path
     assert path.read_bytes() == b"someone else's bytes", "neither truncated nor removed"
 
 
+def test_a_pool_left_by_a_dead_creator_is_replaced_a_live_ones_is_not(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "pool"
+    path.write_bytes(bytes(mmap.PAGESIZE))  # a pool of this size whose creator is gone
+    mm = hostmem.create_shared(path, mmap.PAGESIZE, setting="cap")
+    mm[:1] = b"x"
+    assert path.read_bytes()[:1] == b"x"  # ours now
+    with pytest.raises(hostmem.SharedFileExists):  # its creator (we) holds it: live
+        hostmem.create_shared(path, mmap.PAGESIZE, setting="cap")
+    hostmem.remove_shared(path)
+    assert not path.exists()
+
+
 def test_a_planted_symlink_is_not_followed_on_create(tmp_path: Path) -> None:
     target = tmp_path / "victim"
     target.write_bytes(b"keep me")

@@ -318,3 +318,23 @@ def test_stop_signals_are_chained_in_front_of_the_installed_handler() -> None:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_a_failed_aged_write_is_tried_again_only_a_full_age_later(tmp_path: Path) -> None:
+    clock = ManualClock()
+    tier = RecordingTier(tmp_path / "t", fail=True)  # answers FAILED
+    store = _aging_store(tier, clock)
+    flusher = IdleFlusher(store, 0.0, max_dirty_s=10.0, clock=clock)
+    try:
+        _fill(store, 2)
+        clock.advance(11)
+        assert flusher.tick() == 2
+        store.flush(5)
+        assert len(tier.order) == 2 and len(store.host.index.dirty_keys()) == 2
+        clock.advance(5)
+        assert flusher.tick() == 0  # no retry storm: the age restarted at the failure
+        clock.advance(6)
+        assert flusher.tick() == 2
+    finally:
+        flusher.close()
+        store.close()

@@ -35,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -87,6 +88,9 @@ class SlotIndex:
         self._pending: dict[ChunkKey, int] = {}  # keys being written: WRITING slots each
         self._writing = 0  # WRITING slots in all
         self._dirty = 0
+        #: dirty READY slots, oldest dirty first (slot -> dirty_since): aged write-back
+        #: picks from the front in O(picked), never scanning the LRU under the lock
+        self._dirty_order: OrderedDict[int, float] = OrderedDict()
         self._policy = policy
         self._clock = clock  # dirty ages only (take_dirty(older_than=...))
         self._lock = threading.Lock()
@@ -115,6 +119,8 @@ class SlotIndex:
         with self._lock:
             if key in self._by_key or (key in self._pending and not backup):
                 return None
+            if backup and self._pending.get(key, 0) > 1:
+                return None  # one backup per key is enough: its chain is whole either way
             evicted: tuple[ChunkKey, ...] = ()
             if not self._free:
                 victims = self._policy.evict(1, self._evictable)
@@ -158,6 +164,8 @@ class SlotIndex:
                 return False
             s.state, s.meta, s.dirty = SlotState.READY, meta, dirty
             s.dirty_since = self._clock.monotonic() if dirty else 0.0
+            if dirty:
+                self._dirty_order[slot] = s.dirty_since
             self._dirty += dirty
             self._by_key[meta.key] = slot
             self._policy.insert(meta.key)
@@ -176,6 +184,11 @@ class SlotIndex:
         """``key`` has a WRITING slot (someone is filling it; it is not READY yet)."""
         with self._lock:
             return key in self._pending
+
+    def writers(self, key: ChunkKey) -> int:
+        """How many WRITING slots ``key`` has (the first reservation and its backup)."""
+        with self._lock:
+            return self._pending.get(key, 0)
 
     def hold(self, key: ChunkKey) -> tuple[int, ChunkMeta] | None:
         """Hold ``key``'s slot for reading and refresh its recency; ``None`` on a miss.
@@ -226,14 +239,21 @@ class SlotIndex:
         with self._lock:
             if not self._dirty:
                 return out
+            if older_than is not None:  # oldest dirty first, from the front: O(picked)
+                for slot, since in self._dirty_order.items():
+                    if len(out) == max_n or since > older_than:
+                        break
+                    s = self._slots[slot]
+                    if s.holds == 0 and s.ready_meta().key not in skip:
+                        s.holds += 1
+                        out.append((slot, s.ready_meta()))
+                return out
             order = self._policy.coldest()
             for key in reversed(list(order)) if hottest_first else order:
                 if len(out) == max_n:
                     break
                 slot = self._by_key[key]
                 s = self._slots[slot]
-                if older_than is not None and (not s.dirty or s.dirty_since > older_than):
-                    continue
                 if s.dirty and s.holds == 0 and key not in skip:
                     s.holds += 1
                     out.append((slot, s.ready_meta()))
@@ -242,10 +262,7 @@ class SlotIndex:
     def oldest_dirty(self) -> float | None:
         """When the longest-dirty chunk became dirty (``clock.monotonic()``), or None."""
         with self._lock:
-            if not self._dirty:
-                return None
-            return min(s.dirty_since for s in self._slots
-                       if s.state is SlotState.READY and s.dirty)
+            return next(iter(self._dirty_order.values()), None)
 
     def dirty_keys(self) -> set[ChunkKey]:
         with self._lock:
@@ -259,6 +276,19 @@ class SlotIndex:
                 return
             self._dirty -= s.dirty
             s.dirty = False
+            self._dirty_order.pop(slot, None)
+
+    def write_failed(self, slot: int, key: ChunkKey) -> None:
+        """A write of the dirty chunk in ``slot`` failed: it stays dirty and its age starts
+        again, so the aged write-back tries it again only ``max_dirty_seconds`` later
+        (no retry storm while a tier is down). Nothing if the slot holds another chunk."""
+        with self._lock:
+            s = self._slots[slot]
+            if s.state is not SlotState.READY or not s.dirty or s.ready_meta().key != key:
+                return
+            s.dirty_since = self._clock.monotonic()
+            self._dirty_order.pop(slot, None)
+            self._dirty_order[slot] = s.dirty_since
 
     def clean_or_free(self) -> int:
         """Slots a ``reserve`` could use without waiting for a spill."""
@@ -274,6 +304,7 @@ class SlotIndex:
             del self._by_key[key]
             self._policy.remove(key)
             self._dirty -= self._slots[slot].dirty
+            self._dirty_order.pop(slot, None)
             self._slots[slot] = _Slot()
             self._free.append(slot)
             return True

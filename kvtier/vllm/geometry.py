@@ -22,6 +22,7 @@ Reads files only at engine start (fingerprint) and never on a request's path.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -184,16 +185,21 @@ def _part(h: Any, data: bytes) -> None:
     h.update(len(data).to_bytes(8, "little") + data)
 
 
-def _weight_files(root: Path) -> Iterator[tuple[str, Path]]:
+def _weight_files(root: Path, ignore: Sequence[str] = ()) -> Iterator[tuple[str, Path]]:
     """Every weight or JSON file under ``root`` (subdirectories included, hidden ones
-    not), as ``(relative posix path, path)`` sorted by name."""
+    not), as ``(relative posix path, path)`` sorted by name, less those matching a glob
+    of ``ignore`` (vLLM's ``load_config.ignore_patterns``, by default ``original/**/*``:
+    files vLLM never loads must not split two copies of one checkpoint)."""
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for f in filenames:
             if f.endswith((*WEIGHT_SUFFIXES, ".json")) and not f.startswith("."):
                 p = Path(dirpath, f)
-                found.append((p.relative_to(root).as_posix(), p))
+                rel = p.relative_to(root).as_posix()
+                if not any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(
+                        rel, pat.replace("**/", "")) for pat in ignore):  # ** = 0+ dirs
+                    found.append((rel, p))
     return iter(sorted(found))
 
 
@@ -252,19 +258,25 @@ def _sample_file(h: Any, path: Path, size: int) -> None:
             _part(h, off.to_bytes(8, "little") + os.pread(fd, length, off))
 
 
-def weights_digest(root: Path) -> str:
+def weights_digest(root: Path, ignore: Sequence[str] = ()) -> str:
     """Digest of a checkpoint's files: every weight file's relative name, size and a
-    sample (``_sample_file``), and every JSON file (config, ``*.index.json``) whole."""
+    sample (``_sample_file``), and every JSON file (config, ``*.index.json``) whole;
+    files matching ``ignore`` are left out. A file that cannot be read (a dangling link,
+    no permission) is recorded as unreadable instead of failing the engine's start: vLLM
+    fails on it itself if it needs it."""
     h = hashlib.blake2b(digest_size=16)
-    files = [("", root)] if root.is_file() else list(_weight_files(root))
+    files = [("", root)] if root.is_file() else list(_weight_files(root, ignore))
     for rel, path in files:
-        size = path.stat().st_size
         _part(h, rel.encode())
-        h.update(size.to_bytes(8, "little"))
-        if path.suffix == ".json" and size <= _WHOLE_JSON:
-            _part(h, path.read_bytes())
-        else:
-            _sample_file(h, path, size)
+        try:
+            size = path.stat().st_size
+            h.update(size.to_bytes(8, "little"))
+            if path.suffix == ".json" and size <= _WHOLE_JSON:
+                _part(h, path.read_bytes())
+            else:
+                _sample_file(h, path, size)
+        except OSError as e:
+            _part(h, f"unreadable:{e.errno}".encode())
     return h.hexdigest()
 
 
@@ -323,7 +335,9 @@ def model_fingerprint(model_config: Any, load_config: Any = None) -> str:
     path = Path(str(model_config.model))
     files = path if path.exists() else snapshot
     if files is not None:
-        _part(h, weights_digest(files).encode())
+        ignore = getattr(load_config, "ignore_patterns", None)
+        patterns = [str(p) for p in ignore] if isinstance(ignore, (list, tuple)) else []
+        _part(h, weights_digest(files, patterns).encode())
     return h.hexdigest()
 
 

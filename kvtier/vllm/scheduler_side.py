@@ -127,6 +127,7 @@ class _Keys:
     """A request's identity and the keys of its full chunks computed so far."""
 
     identity: RequestIdentity
+    epoch: int  # the weights epoch its identity was made in
     keys: list[ChunkKey] = field(default_factory=list)
 
 
@@ -172,6 +173,9 @@ class SchedulerSide:
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
+        #: req -> the weights epoch it was first seen in: KV computed across a weights
+        #: reset is stored under neither epoch
+        self._epoch_of: dict[str, int] = {}
         self.identities = RequestIdentities(namespace, self.ct)
         self._step = 0
         self.role = role
@@ -206,11 +210,13 @@ class SchedulerSide:
         """
         rid = request.request_id
         cached = self._key_cache.get(rid)
+        if cached is not None and cached.epoch != self.identities.epoch:
+            cached = None  # made before a weights reset: its keys are the old epoch's
         if cached is None:
             ident = self.identities.of(request)
             if ident is PENDING:
                 return PENDING
-            cached = self._key_cache[rid] = _Keys(ident)
+            cached = self._key_cache[rid] = _Keys(ident, self.identities.epoch)
         n = num_tokens // self.ct
         have = cached.keys
         if len(have) < n:
@@ -244,6 +250,7 @@ class SchedulerSide:
         self, request: Any, num_computed: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
+        self._epoch_of.setdefault(rid, self.identities.epoch)
         limit = ((request.num_tokens - 1) // self.bs) * self.bs  # vLLM must compute >= 1 token
         lk = self._lookups.get(rid)
         if lk is not None and lk.held is None and lk.future is None:
@@ -423,12 +430,15 @@ class SchedulerSide:
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
+        seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
         n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
         try:
             got = self._keys(request, n_chunks * self.ct)
         except Unsupported:
             got = PENDING
         self._key_cache.pop(rid, None)
+        if seen_epoch != self.identities.epoch:
+            got = PENDING  # it ran across a weights reset: its KV may mix both weights
         if got is PENDING:  # identity unknown (or refused): store nothing
             n_chunks, got = 0, (b"", [])
         ns, keys = got
@@ -473,8 +483,9 @@ class SchedulerSide:
           another request is still saving is copied again into a *backup* slot
           (``store.reserve(backup=True)``), so this request's chain never depends on the
           other save succeeding; the first commit is published and the other slot is
-          freed. Without a backup slot such a chunk ends the announcement (it is still
-          not a hole for this node: the other save usually lands);
+          freed. One backup per chunk: a chunk that already has two saves in flight is
+          announced without a third copy (both would have to fail). Without a backup
+          slot such a chunk ends the announcement (the other save usually lands);
         * for such a node, so does a write-through that the store queue cannot take now.
 
         A node that serves its own requests (``both``) makes no backups: the worst a
@@ -503,8 +514,10 @@ class SchedulerSide:
                 if not self.store.holds(key):
                     record_drop("host_full")
                     break
-                # stored meanwhile, or being saved by another request: held
-                if announce == c and not (shared and self.store.saving(key)):
+                # stored meanwhile, or being saved by another request: held. Announced
+                # if published, or (P/D) if two saves of it are in flight already (one
+                # request's and a backup: both would have to fail)
+                if announce == c and not (shared and self.store.saving(key) == 1):
                     announce = c + 1
                 continue
             saves.append((slot, self._meta(ns, keys, c)))
@@ -544,11 +557,17 @@ class SchedulerSide:
             save = self._saves.pop(rid, None)
             if save is None:
                 continue
+            lost: list[ChunkKey] = []
             for slot, meta in save.slots:
                 if rid in failed:
                     self.store.abort(slot)
-                else:
-                    self.store.commit(slot, meta)
+                elif not self.store.commit(slot, meta):
+                    lost.append(meta.key)  # a backup another save beat to it
+            if lost and self.role != "both":
+                # this request announced them: offer the published copies to the shared
+                # tiers again, in case the winner's write-through was dropped (a CREATE
+                # that finds the object costs one existence check)
+                self.store.rewrite_through(lost)
 
     def has_pending_saves(self) -> bool:
         return bool(self._saves)
@@ -578,8 +597,12 @@ class SchedulerSide:
             n = self.store.drop_host(self.cfg.shutdown_flush_seconds)
             log.info("kvtier: reset dropped %d host chunks", n)
             return True
-        self._key_cache.clear()
-        self.identities.bump_epoch()
+        self.identities.bump_epoch()  # cached keys are rebuilt (_Keys.epoch)
+        if self.role != "both":
+            log.warning("kvtier: %s node: after this weights reset it shares KV with no "
+                        "node that has not reset with it (the epoch is this engine's "
+                        "own); P/D hand-offs recompute until both restart",
+                        self.role)
         n = self.store.drop_host()
         log.info("kvtier: reset: new weights epoch, dropped %d host chunks", n)
         return True
@@ -595,6 +618,8 @@ class SchedulerSide:
         queued writes, all within ``shutdown_flush_seconds`` (including a flush a stop
         signal already started), so a restarted engine restores them."""
         budget = self.cfg.shutdown_flush_seconds
+        if self.flusher is not None:  # one budget, counted from the stop signal's flush
+            budget = self.flusher.stop_deadline_left(budget)
         t0 = time.monotonic()
         for rid in list(self._lookups):
             self._forget(rid)

@@ -35,6 +35,14 @@ def test_a_second_writer_gets_a_backup_and_the_first_commit_wins() -> None:
     assert index.reserve(key, backup=True) is None  # READY: nothing to back up
 
 
+def test_one_backup_per_key_is_enough() -> None:
+    index = SlotIndex(4, LRUPolicy())
+    key = make_key(9)
+    assert index.reserve(key) is not None
+    assert index.reserve(key, backup=True) is not None
+    assert index.reserve(key, backup=True) is None  # a third copy would only cost a slot
+
+
 def test_the_backup_publishes_when_the_first_writer_aborts() -> None:
     index = SlotIndex(4, LRUPolicy())
     key = make_key(8)
@@ -70,6 +78,8 @@ def test_any_interleaving_keeps_one_ready_copy_per_key(ops: list[tuple[str, int,
                 assert r is None  # READY keys are never reserved again
             elif open_[k] and kind == "reserve":
                 assert r is None  # a plain reservation of a pending key is refused
+            elif len(open_[k]) >= 2:
+                assert r is None  # one backup per key at most
             else:
                 assert r is not None
                 open_[k].append(r.slot)

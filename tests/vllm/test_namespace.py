@@ -116,6 +116,21 @@ def test_the_weight_fingerprint_covers_weights_in_subdirectories(model: Path) ->
     assert _fingerprint(model) != with_tower
 
 
+def test_files_vllm_ignores_do_not_split_a_checkpoint(model: Path) -> None:
+    before = _fingerprint(model, ignore_patterns=["original/**/*"])
+    (model / "original").mkdir()
+    (model / "original" / "consolidated.pth").write_bytes(b"\x01" * 64)
+    assert _fingerprint(model, ignore_patterns=["original/**/*"]) == before
+    assert _fingerprint(model) != before  # without the pattern it is a weight file
+
+
+def test_an_unreadable_file_is_recorded_not_fatal(model: Path) -> None:
+    before = _fingerprint(model)
+    (model / "broken.safetensors").symlink_to(model / "missing-target")
+    after = _fingerprint(model)  # no exception: vLLM itself decides if it needs the file
+    assert after != before
+
+
 def test_the_weight_fingerprint_covers_every_byte_of_a_file_up_to_two_mib(model: Path) -> None:
     """A 1.5 MiB shard: the old sample read the first MiB only."""
     shard = model / "extra.bin"

@@ -267,28 +267,36 @@ def test_concurrent_streaming_conversations_never_mix(pd: PD) -> None:
 
 
 def test_a_swarm_on_a_new_prefix_each_decode_restores_its_own_suffix(pd: PD) -> None:
-    """Four conversations start at once on one new 300-token system prompt: the prefill
-    node saves the shared chunks once (the others back them up) and every request's own
-    chunks, and each decode restores its own suffix (issue 17: three of four used to
-    announce nothing)."""
+    """Four prefills start at once on one new 300-token system prompt (as the router sends
+    them: ``max_tokens=1``, phase prefill): the prefill node saves the shared chunks once
+    (the others back them up) and every request's own chunks, and announces all four
+    chunks for each. Each decode then restores its own suffix (issue 17: three of four
+    used to announce nothing). The decodes run one at a time, each with its own
+    announcement, as the router would hand them over."""
     system = _tokens(300, seed=40)
-    prompts = {f"swarm{i}": system + _tokens(300, seed=41 + i) for i in range(4)}
-    refs = {c: pd.reference(p, 8)["token_ids"] for c, p in prompts.items()}
+    prompts = [system + _tokens(300, seed=41 + i) for i in range(4)]
+    refs = [pd.reference(p, 8)["token_ids"] for p in prompts]
 
-    async def main() -> dict[str, httpx.Response]:
+    async def prefills() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
-            async def one(c: str) -> httpx.Response:
-                body = {**BASE, "prompt": prompts[c], "max_tokens": 8, "conversation_id": c}
-                return await client.post(pd.router_url + "/v1/completions", json=body)
-            outs = await asyncio.gather(*(one(c) for c in prompts))
-        return dict(zip(prompts, outs, strict=True))
+            return list(await asyncio.gather(*(client.post(
+                pd.prefill.url + "/v1/completions",
+                json={**BASE, "prompt": p, "max_tokens": 1,
+                      "kv_transfer_params": {"kvtier": {"phase": "prefill"}}})
+                for p in prompts)))
 
-    for c, r in asyncio.run(main()).items():
+    announced = [_kvtier(r) for r in asyncio.run(prefills())]
+    for i, (p, ref, a) in enumerate(zip(prompts, refs, announced, strict=True)):
+        assert a["tokens"] == 512, (i, a)  # every full chunk: the shared two and its own
+        expect = {k: a[k] for k in ("namespace", "tokens", "last_key")}
+        r = pd.client.post(pd.decode.url + "/v1/completions", json={
+            **BASE, "prompt": p, "max_tokens": 8,
+            "kv_transfer_params": {"kvtier": {"expect": expect}}})
         params = _kvtier(r)
-        assert r.json()["choices"][0]["token_ids"] == refs[c], c
+        assert r.json()["choices"][0]["token_ids"] == ref, i
         # chunks 2-3 are this conversation's own: only kvtier can have them (the decode
         # node's prefix cache may hold the shared chunks 0-1 from a sibling)
-        assert params["restored_tokens"] >= 256, (c, params)
+        assert params["restored_tokens"] >= 256, (i, params)
 
 
 def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> None:
