@@ -102,6 +102,10 @@ def build_store(
     """
     host = host or build_host(cfg.host, slot_bytes)
     lower = build_lower_tiers(cfg, clock)
-    io = IOPool(cfg.io.threads, cfg.io.max_queued_stores)
+    # One pool per lower tier (its own threads and store queue): a hung tier holds only
+    # its own, and never delays another tier's loads or writes.
+    pools = [IOPool(cfg.io.threads, cfg.io.max_queued_stores, name=f"io-{lt.tier.name}")
+             for lt in lower] or [IOPool(cfg.io.threads, cfg.io.max_queued_stores)]
     breakers = breakers_for([lt.tier.name for lt in lower], cfg.health, cfg.io.threads, clock)
-    return TieredStore(host, lower, io, breakers=breakers)
+    return TieredStore(host, lower, pools[0], breakers=breakers,
+                       tier_io=pools if lower else None)

@@ -155,8 +155,13 @@ class HealthConfig(_Model):
 
     #: Consecutive failed (or slower than ``slow_seconds``) calls that mark a tier down.
     failures: int = Field(3, ge=1, le=1000)
-    #: A call slower than this failed; one still running after this marks the tier down.
+    #: A call slower than this (plus its bytes at ``min_mib_per_second``) failed; one
+    #: still running after that marks the tier down.
     slow_seconds: float = Field(2.0, gt=0, le=600)
+    #: The slowest transfer rate a healthy tier may have: a call moving N MiB is allowed
+    #: ``slow_seconds + N / min_mib_per_second`` before it counts as slow or stuck, so a
+    #: large healthy chunk is not a fault.
+    min_mib_per_second: float = Field(20.0, gt=0, le=1_000_000)
     #: How long a down tier is skipped before one trial call.
     cooldown_seconds: float = Field(10.0, ge=0, le=3600)
 
@@ -166,6 +171,10 @@ class RestoreConfig(_Model):
     #: How long a request waits for lower tiers to answer "is it there?" (asked on IO
     #: threads, never on vLLM's scheduler thread) before it is recomputed.
     lookup_timeout_seconds: float = Field(1.0, gt=0, le=600)
+    #: A restore whose reads made no progress (no chunk read) for this long, plus one
+    #: chunk at ``health.min_mib_per_second``, is abandoned and the request recomputed;
+    #: the stuck read's slots are released when it returns.
+    load_timeout_seconds: float = Field(2.0, gt=0, le=600)
     #: P/D decode node: how long to wait for the chunks the prefill node announced
     #: (``kv_transfer_params``) to become visible in the shared tier before computing.
     wait_seconds: float = Field(10.0, ge=0, le=600)

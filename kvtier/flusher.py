@@ -31,7 +31,7 @@ import logging
 import threading
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
-from kvtier.store import FlushReport, TieredStore
+from kvtier.store import FlushReport, TieredStore, WritePolicy
 
 log = logging.getLogger("kvtier.store")
 
@@ -118,14 +118,14 @@ class IdleFlusher:
         queue's free room), then, if the engine has been idle for ``idle_s`` and the store
         queue is empty, a batch of any dirty chunks. Returns how many were queued."""
         n = 0
-        room = self.store.io.free_store_slots() // 2
+        room = self.store.free_store_slots(WritePolicy.BACK) // 2
         if self.max_dirty_s > 0 and room and self.store.can_write_back():
             cutoff = self.store.host.clock.monotonic() - self.max_dirty_s
             aged = self.store.write_back_some(room, older_than=cutoff)
             self.aged += aged
             n += aged
         idle = self.idle_s > 0 and self.clock.monotonic() - self._last_busy >= self.idle_s
-        if idle and not self.store.io.pending()[1]:  # earlier writes first: no backlog
+        if idle and not self.store.queued_stores():  # earlier writes first: no backlog
             n += self.store.write_back_some(self.batch)
         self.queued += n
         return n

@@ -4,22 +4,26 @@ A hung NFS server or an S3 brownout does not fail fast: calls block for their ti
 Each lower tier therefore has a ``Breaker``:
 
 * **up**: every call is allowed. ``failures`` consecutive failed calls (an error, or a
-  call slower than ``slow_s``), or one call in flight for longer than ``slow_s`` (a
-  hung call never returns to report itself), mark the tier **down**.
+  call slower than its allowance), or one call in flight for longer than its allowance
+  (a hung call never returns to report itself), mark the tier **down**. A call's
+  allowance is ``slow_s`` plus the bytes it moves at ``min_bytes_per_s``: a healthy 84 MB
+  chunk is not a fault because it takes longer than a 1 MB one.
 * **down**: lookups skip the tier, reads and probes are refused, writes are dropped and
   counted. After ``cooldown_s`` the next caller gets a trial call (**half-open**):
   its success brings the tier back up, its failure starts another cooldown.
 * Reads and probes (the latency path) are bounded: once ``max_in_flight`` of them have
-  been running longer than ``stuck_s`` (a fifth of ``slow_s``), more are refused as if
+  been running longer than ``stuck_s`` (a fifth of ``slow_s``) plus their bytes'
+  allowance, more are refused as if
   the tier were down (without changing its state), so a hanging tier holds at most that
   many threads on the read path. Healthy reads take milliseconds and are never counted:
   a busy tier is not a failing one. Writes are not refused while the tier is up; a write
   that hangs trips the breaker after ``slow_s``, and from then on writes are dropped.
 
-Every transition is logged once and exported as ``kvtier_tier_up{tier}`` (1 up, 0 not).
+Every transition is logged once and exported as ``kvtier_tier_up{tier}`` (1 up, 0 not),
+both after the lock is released.
 
-Threads: any (IO threads call, vLLM's scheduler thread asks ``available``). One lock; no
-I/O under it. Time comes from the injected ``Clock``.
+Threads: any (IO threads call, vLLM's scheduler thread asks ``available`` and ``up``).
+One lock; no I/O, logging or metrics under it. Time comes from the injected ``Clock``.
 """
 
 from __future__ import annotations
@@ -57,11 +61,14 @@ class Breaker:
         slow_s: float = 5.0,
         cooldown_s: float = 10.0,
         max_in_flight: int = 1,
+        min_bytes_per_s: float = 20 * 2**20,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        if failures < 1 or slow_s <= 0 or cooldown_s < 0 or max_in_flight < 1:
+        if (failures < 1 or slow_s <= 0 or cooldown_s < 0 or max_in_flight < 1
+                or min_bytes_per_s <= 0):
             raise ValueError("Breaker needs failures >= 1, slow_s > 0, cooldown_s >= 0, "
-                             "max_in_flight >= 1")
+                             "max_in_flight >= 1, min_bytes_per_s > 0")
+        self.min_bytes_per_s = min_bytes_per_s
         self.tier = tier
         self.failures = failures
         self.slow_s = slow_s
@@ -73,7 +80,8 @@ class Breaker:
         self._lock = threading.Lock()
         self._failed = 0
         self._down_since = 0.0
-        self._calls: dict[int, float] = {}  # call id -> start
+        self._calls: dict[int, tuple[float, float]] = {}  # call id -> (start, allowance)
+        self._events: list[tuple[bool, str]] = []  # (up, message) to publish, unlocked
         self._read_ids: set[int] = set()
         self._ids = itertools.count()
         self._trial: int | None = None
@@ -82,30 +90,58 @@ class Breaker:
 
     @property
     def up(self) -> bool:
-        return self.state is TierState.UP
+        """The tier is up (a hung call found here trips the breaker first)."""
+        with self._lock:
+            self._check_stuck()
+            up = self.state is TierState.UP
+        self._publish()
+        return up
+
+    def allowance(self, nbytes: int) -> float:
+        """Seconds a healthy call moving ``nbytes`` may take beyond ``slow_s``."""
+        return max(0, nbytes) / self.min_bytes_per_s
 
     def available(self) -> bool:
         """Would a read be allowed now? (A hung call found here trips the breaker.)"""
         with self._lock:
             self._check_stuck()
             if self.state is TierState.UP:
-                return self._reads < self.max_in_flight
-            return self.state is TierState.DOWN and self._cooled() and not self._calls
+                ok = self._reads < self.max_in_flight
+            else:
+                ok = self.state is TierState.DOWN and self._cooled() and not self._calls
+        self._publish()
+        return ok
 
     @contextmanager
-    def call(self, *, read: bool) -> Iterator[Call]:
-        """Run one call to the tier; raises ``TierUnavailable`` (asking nothing) if it may
-        not be called now. ``Call.fail()`` inside the block reports a call that returned
-        an error status; an exception out of the block is a failure too."""
-        cid = self._enter(read)
+    def call(self, *, read: bool, nbytes: int = 0) -> Iterator[Call]:
+        """Run one call to the tier that moves about ``nbytes``; raises
+        ``TierUnavailable`` (asking nothing) if it may not be called now. ``Call.fail()``
+        inside the block reports a call that returned an error status; an exception out
+        of the block is a failure too, and so is a call slower than its allowance."""
+        allowance = self.allowance(nbytes)
+        try:
+            cid = self._enter(read, allowance)
+        finally:
+            self._publish()
         t0 = self.clock.monotonic()
         c = Call()
         ok = False
         try:
             yield c
-            ok = not c.failed and self.clock.monotonic() - t0 < self.slow_s
+            ok = not c.failed and self.clock.monotonic() - t0 < self.slow_s + allowance
         finally:
             self._exit(cid, ok)
+            self._publish()
+
+    def _publish(self) -> None:
+        """Log and export the transitions recorded under the lock (outside it)."""
+        if not self._events:
+            return
+        with self._lock:
+            events, self._events = self._events, []
+        for up, message in events:
+            set_tier_up(self.tier, up)
+            log.warning("%s", message)
 
     # -- internals (under the lock) ----------------------------------------------------
     def _cooled(self) -> bool:
@@ -114,11 +150,12 @@ class Breaker:
     def _check_stuck(self) -> None:
         if self.state is not TierState.UP or not self._calls:
             return
-        oldest = min(self._calls.values())
-        if self.clock.monotonic() - oldest >= self.slow_s:
-            self._go_down(f"a call has been running for more than {self.slow_s:g} s")
+        now = self.clock.monotonic()
+        if any(now - t0 >= self.slow_s + allow for t0, allow in self._calls.values()):
+            self._go_down("a call has been running for longer than its allowance "
+                          f"({self.slow_s:g} s plus its bytes)")
 
-    def _enter(self, read: bool) -> int:
+    def _enter(self, read: bool, allowance: float) -> int:
         with self._lock:
             self._check_stuck()
             cid = next(self._ids)
@@ -127,21 +164,21 @@ class Breaker:
             elif self.state is TierState.DOWN and self._cooled() and not self._calls:
                 self.state = TierState.TRIAL
                 self._trial = cid
-                log.info("kvtier: tier %s: trying it again after %.0f s down", self.tier,
-                         self.clock.monotonic() - self._down_since)
             else:
                 self.refused += 1
                 raise TierUnavailable(f"tier {self.tier} is {self.state.value}")
-            self._calls[cid] = self.clock.monotonic()
+            self._calls[cid] = (self.clock.monotonic(), allowance)
             if read:
                 self._read_ids.add(cid)
             return cid
 
     @property
     def _reads(self) -> int:
-        """Reads in flight for longer than ``stuck_s`` (under the lock)."""
+        """Reads in flight for longer than ``stuck_s`` plus their bytes' allowance (under
+        the lock): a long healthy read of a large chunk is not stuck."""
         now = self.clock.monotonic()
-        return sum(1 for cid in self._read_ids if now - self._calls[cid] >= self.stuck_s)
+        return sum(1 for cid in self._read_ids
+                   if now - self._calls[cid][0] >= self.stuck_s + self._calls[cid][1])
 
     def _exit(self, cid: int, ok: bool) -> None:
         with self._lock:
@@ -152,8 +189,7 @@ class Breaker:
                 if ok:
                     self.state = TierState.UP
                     self._failed = 0
-                    set_tier_up(self.tier, True)
-                    log.warning("kvtier: tier %s is back up", self.tier)
+                    self._events.append((True, f"kvtier: tier {self.tier} is back up"))
                 else:
                     self._go_down("the trial call failed")
                 return
@@ -173,9 +209,9 @@ class Breaker:
         self._down_since = self.clock.monotonic()
         self._failed = 0
         if was_up:
-            set_tier_up(self.tier, False)
-            log.warning("kvtier: tier %s is down: %s; skipping it (reads miss, writes are "
-                        "dropped) and trying again in %.0f s", self.tier, why, self.cooldown_s)
+            self._events.append((False, (
+                f"kvtier: tier {self.tier} is down: {why}; skipping it (reads miss, writes "
+                f"are dropped) and trying again in {self.cooldown_s:.0f} s")))
 
 
 def breakers_for(
@@ -186,7 +222,7 @@ def breakers_for(
     return [
         Breaker(name, failures=cfg.failures, slow_s=cfg.slow_seconds,
                 cooldown_s=cfg.cooldown_seconds, max_in_flight=max(1, io_threads - 1),
-                clock=clock)
+                min_bytes_per_s=cfg.min_mib_per_second * 2**20, clock=clock)
         for name in tiers
     ]
 

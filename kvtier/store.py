@@ -41,7 +41,9 @@ be released from any thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
@@ -65,6 +67,14 @@ from kvtier.tiers.host import HostTier
 log = logging.getLogger("kvtier.store")
 
 HOST = 0  # tier index of the host tier in every Lookup
+
+#: Probes waiting for a probe thread before ``probe`` refuses more.
+PROBE_QUEUE = 64
+#: A key no tier had is not asked again for this long (a burst of one new prefix).
+PROBE_MISS_TTL_S = 0.25
+PROBE_MISS_MAX = 4096
+#: Re-offered keys remembered (``rewrite_through(min_age_s=...)``).
+OFFERED_MAX = 65536
 
 #: A held host slot and the tier its chunk was read from: ``((slot, meta), tier index)``.
 _Hit = tuple[tuple[int, ChunkMeta], int]
@@ -106,6 +116,28 @@ class FlushReport:
     seconds: float
 
 
+class LoadProgress:
+    """How a ``load`` is getting on, for a caller that gives up on it (a deadline).
+
+    ``touch`` is called on the IO thread after each chunk; ``idle_for`` may be read from
+    any thread; ``cancel`` (any thread) makes the load stop before its next chunk. Plain
+    attribute stores: no lock."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        self.last = clock.monotonic()
+        self.cancelled = False
+
+    def touch(self) -> None:
+        self.last = self.clock.monotonic()
+
+    def idle_for(self) -> float:
+        return self.clock.monotonic() - self.last
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 @dataclass
 class Held:
     """Host slots held for reading (never evicted meanwhile), in key order. Release
@@ -143,12 +175,21 @@ class TieredStore:
         clean_reserve: float = 0.1,
         breakers: Sequence[Breaker] | None = None,
         probe_threads: int = 2,
+        tier_io: Sequence[IOPool] | None = None,
     ) -> None:
+        """``io`` runs every lower tier's reads and writes, unless ``tier_io`` gives each
+        lower tier (in ``lower`` order) a pool of its own: then a hung tier holds only its
+        own threads and queue, and the other tiers' loads and writes never wait behind it
+        (``build_store`` does this). ``io`` is then the first tier's pool."""
         self.host = host
         self.lower = list(lower)
         #: Probes ("is it there?") run on threads of their own: queued behind writes
         #: stuck in a hung tier, a probe would answer only at its request's deadline.
-        self.probe_io = IOPool(probe_threads, 1, name="probe")
+        #: Bounded: when ``PROBE_QUEUE`` probes wait, ``probe`` answers None at once and
+        #: the caller answers from the indexes (a burst never makes everyone wait).
+        self.probe_io = IOPool(probe_threads, PROBE_QUEUE, name="probe")
+        self._probe_misses: OrderedDict[ChunkKey, float] = OrderedDict()  # key -> when
+        self._offered: OrderedDict[ChunkKey, float] = OrderedDict()  # re-offered -> when
         #: One circuit breaker per lower tier (``kvtier/health.py``), in ``lower`` order.
         self.breakers = list(breakers) if breakers is not None else breakers_for(
             [lt.tier.name for lt in self.lower], HealthConfig(), io.num_threads)
@@ -157,6 +198,16 @@ class TieredStore:
         self._breaker_of = {id(lt.tier): b for lt, b in zip(self.lower, self.breakers,
                                                              strict=True)}
         self.io = io
+        pools = list(tier_io) if tier_io is not None else [io] * len(self.lower)
+        if len(pools) != len(self.lower):
+            raise ValueError("one IO pool per lower tier")
+        self._pools = pools
+        self._io_of = {id(lt.tier): pool for lt, pool in zip(self.lower, pools, strict=True)}
+        self._collecting: set[int] = set()  # tiers with a collection job queued
+        for lt in self.lower:
+            if hasattr(lt.tier, "collect_on_put"):
+                setattr(lt.tier, "collect_on_put", False)  # noqa: B010 - _collect_later
+        self._parts_lock = threading.Lock()
         self._spill_batch = spill_batch
         self._reserve_slots = max(1, int(host.pool.num_slots * clean_reserve))
         self._back = [lt.tier for lt in self.lower if lt.write is WritePolicy.BACK]
@@ -172,6 +223,24 @@ class TieredStore:
     @property
     def tiers(self) -> list[Tier]:
         return [self.host, *(lt.tier for lt in self.lower)]
+
+    def _pool_of(self, tier: Tier) -> IOPool:
+        return self._io_of.get(id(tier), self.io)
+
+    def _distinct_pools(self) -> list[IOPool]:
+        return list({id(p): p for p in (self.io, *self._pools)}.values())
+
+    def free_store_slots(self, write: WritePolicy | None = None) -> int:
+        """How many more store jobs the fullest pool of the lower tiers written
+        ``write`` (all if None) takes now before it drops. Memory only."""
+        tiers = [lt.tier for lt in self.lower if write is None or lt.write is write]
+        pools = {id(p): p for p in (self._pool_of(t) for t in tiers)}
+        return min((p.free_store_slots() for p in pools.values()),
+                   default=self.io.free_store_slots())
+
+    def queued_stores(self) -> int:
+        """Store jobs queued (not started) over every pool. Memory only."""
+        return sum(p.pending()[1] for p in self._distinct_pools())
 
     # -- lookup ------------------------------------------------------------------------
     def lookup_indexed(self, keys: Sequence[ChunkKey]) -> Lookup:
@@ -190,6 +259,14 @@ class TieredStore:
             where.append(i)
         return Lookup(tuple(keys[: len(where)]), tuple(where))
 
+    def shared_up(self, *, every: bool) -> bool:
+        """Are the write-through tiers' breakers up (``every``: all of them; else any,
+        or cooled down enough for a trial)? Memory only. False without such a tier."""
+        states = [b.up if every else (b.up or b.available())
+                  for lt, b in zip(self.lower, self.breakers, strict=True)
+                  if lt.write is WritePolicy.THROUGH]
+        return bool(states) and (all(states) if every else any(states))
+
     def can_write_back(self) -> bool:
         """Would a write to some write-back tier be tried now (its breaker up, or cooled
         down enough for a trial)? Memory only."""
@@ -202,26 +279,48 @@ class TieredStore:
         down, or every tier at its read bound: asking would only queue behind a hang.)"""
         return any(b.available() for b in self.breakers)
 
-    def probe(self, keys: Sequence[ChunkKey]) -> Future[int]:
+    def probe(
+        self, keys: Sequence[ChunkKey], *, progress: LoadProgress | None = None,
+        fresh: bool = False,
+    ) -> Future[int] | None:
         """Ask the lower tiers themselves (on a probe thread) how many of
         ``keys`` lead a stored prefix: objects other nodes wrote, which this process's
         index does not know yet. The answer refreshes the indexes, so the next
         ``lookup_indexed`` sees them. A tier that is down, or has as many reads in flight
-        as its breaker allows, is not asked. The future never raises."""
+        as its breaker allows, is not asked. The future never raises.
+
+        ``None`` (nothing asked) when ``PROBE_QUEUE`` probes are waiting already. A key
+        that no tier had within ``PROBE_MISS_TTL_S`` ends the answer without asking
+        again (unless ``fresh``: a P/D decode waiting for a key to appear). Once
+        ``progress`` is cancelled (the caller's deadline) the probe asks nothing more.
+        Memory only on the calling thread."""
         keys = list(keys)
+        clock = self.host.clock
 
         def job() -> int:
             n = 0
             for key in keys:
-                if self.host.indexed(key) or any(
-                    self._ask(lt.tier, key) for lt in self.lower
-                ):
-                    n += 1
-                else:
+                if progress is not None and progress.cancelled:
                     break
+                if self.host.indexed(key):
+                    n += 1
+                    continue
+                missed = self._probe_misses.get(key)
+                if not fresh and missed is not None and \
+                        clock.monotonic() - missed < PROBE_MISS_TTL_S:
+                    break
+                if any(self._ask(lt.tier, key) for lt in self.lower):
+                    n += 1
+                    continue
+                with self._parts_lock:
+                    self._probe_misses[key] = clock.monotonic()
+                    self._probe_misses.move_to_end(key)
+                    while len(self._probe_misses) > PROBE_MISS_MAX:
+                        self._probe_misses.popitem(last=False)
+                break
             return n
 
-        return self.probe_io.submit_load(job)
+        return self.probe_io.submit_store(job)
 
     def _ask(self, tier: SharedTier, key: ChunkKey) -> bool:
         """``tier.contains_prefix([key])`` under its breaker; False if it may not be asked."""
@@ -232,14 +331,15 @@ class TieredStore:
             return False
 
     @contextmanager
-    def _call(self, tier: Tier, *, read: bool) -> Iterator[None]:
-        """One call to a lower tier under its breaker: raises ``TierUnavailable`` if the
-        tier may not be called; a call that counted an error is a failure."""
+    def _call(self, tier: Tier, *, read: bool, nbytes: int = 0) -> Iterator[None]:
+        """One call to a lower tier under its breaker, moving about ``nbytes``: raises
+        ``TierUnavailable`` if the tier may not be called; a call that counted an error
+        is a failure, and so is one slower than its allowance for those bytes."""
         breaker = self._breaker_of.get(id(tier))
         if breaker is None:
             yield
             return
-        with breaker.call(read=read) as call:
+        with breaker.call(read=read, nbytes=nbytes) as call:
             errors = tier.metrics.counts.errors
             yield
             if tier.metrics.counts.errors > errors:
@@ -307,13 +407,15 @@ class TieredStore:
         if not self.host.commit(slot, meta, dirty=bool(self._back)):
             return False  # the caller may rewrite_through([meta.key]) if it announced it
         self.host.metrics.wrote(meta.payload_len)
+        if self._through:
+            self._mark_offered([meta.key])  # a write counts as an offer (rewrite_through)
         for tier in self._through:
             self._queue_write(slot, meta, [tier], spill=False, kind="write_through")
         if self._back:
             self._spill_if_needed()
         return True
 
-    def rewrite_through(self, keys: Sequence[ChunkKey]) -> int:
+    def rewrite_through(self, keys: Sequence[ChunkKey], min_age_s: float = 0.0) -> int:
         """Offer host-resident ``keys`` to every write-through tier again, as one queued job;
         returns how many were host-resident when queued (0 if the job was dropped).
 
@@ -323,26 +425,46 @@ class TieredStore:
         so what is still there costs one existence check and no write. One job, not one
         per chunk, so a long prompt cannot fill the store queue and crowd out new chunks.
         """
-        todo = [k for k in keys if self.host.index.contains(k)]
-        if not self._through or not todo:
+        now = self.host.clock.monotonic()
+        with self._parts_lock:
+            fresh = {k for k in keys if now - self._offered.get(k, -1e18) < min_age_s}
+        held = [k for k in keys if self.host.index.contains(k)]
+        todo = [k for k in held if k not in fresh]
+        if not self._through or not held:
             return 0
+        if not todo:
+            return len(held)  # each offered within min_age_s: nothing to ask again
+        self._mark_offered(todo)
 
-        def job() -> None:
+        def job(tier: Tier) -> None:
             for key in todo:
                 got = self.host.index.hold(key)
                 if got is None:
                     continue  # evicted since
                 slot, meta = got
                 try:
-                    self._write_slot(slot, meta, self._through, "reoffer")
+                    self._write_slot(slot, meta, [tier], "reoffer")
                 finally:
                     self.host.release(slot)
 
-        return len(todo) if self._submit(job, "reoffer") is not None else 0
+        queued = [self._submit(partial(job, t), "reoffer", self._pool_of(t))
+                  for t in self._through]
+        return len(held) if all(f is not None for f in queued) else 0
+
+    def _mark_offered(self, keys: Sequence[ChunkKey]) -> None:
+        now = self.host.clock.monotonic()
+        with self._parts_lock:
+            for k in keys:
+                self._offered[k] = now
+                self._offered.move_to_end(k)
+            while len(self._offered) > OFFERED_MAX:
+                self._offered.popitem(last=False)
 
     def _spill_if_needed(self) -> None:
         if self.host.index.clean_or_free() >= self._reserve_slots:
             return
+        if not self.can_write_back():
+            return  # every write-back tier is down: the chunks stay dirty (not lost)
         for slot, meta in self.host.index.take_dirty(self._spill_batch):
             self._queue_write(slot, meta, self._back, spill=True, held=True, kind="spill")
 
@@ -356,29 +478,64 @@ class TieredStore:
         held: bool = False,
         kind: str,
     ) -> Future[Any] | None:
-        """Queue a write of one host slot (``held``: the caller holds it already); the job
-        releases the hold, and its result is True if every tier holds the chunk.
+        """Queue a write of one host slot to ``tiers`` (``held``: the caller holds it once
+        already), one job per tier's IO pool, each holding the slot until it is done; the
+        result is True if every tier holds the chunk. A spill marks the chunk clean only
+        then; a failed one leaves it dirty (nothing stored is lost) and restarts its age.
 
-        ``None`` if the chunk was evicted first or the store queue was full (counted).
+        ``None`` if the chunk was evicted first or no job could be queued (counted).
         """
         if not held and self.host.index.hold(meta.key) is None:
             return None  # evicted before we got to it
+        groups: dict[int, tuple[IOPool, list[Tier]]] = {}
+        for tier in tiers:
+            pool = self._pool_of(tier)
+            groups.setdefault(id(pool), (pool, []))[1].append(tier)
+        parts: list[Future[Any]] = []
+        for i, (pool, group) in enumerate(groups.values()):
+            if i and self.host.index.hold(meta.key) is None:
+                break  # (cannot happen: the first hold keeps it)
 
-        def job() -> bool:
-            try:
-                ok = self._write_slot(slot, meta, tiers, kind)
-                if spill:
-                    if not ok:
-                        log.warning("spill of %s failed; it may be evicted", meta.key.hex())
-                    self.host.index.mark_clean(slot)
-                return ok
-            finally:
+            def job(group: list[Tier] = group) -> bool:
+                try:
+                    return self._write_slot(slot, meta, group, kind)
+                finally:
+                    self.host.release(slot)
+
+            fut = self._submit(job, kind, pool)
+            if fut is None:
                 self.host.release(slot)
+                continue
+            parts.append(fut)
+        if not parts:
+            if spill:
+                self.host.index.write_failed(slot, meta.key)
+            return None
+        whole: Future[Any] = Future()
+        whole.set_running_or_notify_cancel()
+        missing = len(parts) < len(groups)
+        left = [len(parts)]
 
-        fut = self._submit(job, kind)
-        if fut is None:
-            self.host.release(slot)
-        return fut
+        def part_done(_: Future[Any]) -> None:
+            with self._parts_lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            ok = not missing and all(
+                not f.cancelled() and f.exception() is None and bool(f.result())
+                for f in parts)
+            if spill:
+                if ok:
+                    self.host.index.mark_clean(slot, meta.key)
+                else:
+                    self.host.index.write_failed(slot, meta.key)
+            whole.set_result(ok)
+
+        self._inflight.add(whole)
+        whole.add_done_callback(self._inflight.discard)
+        for f in parts:
+            f.add_done_callback(part_done)
+        return whole
 
     def _write_slot(
         self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], kind: str
@@ -391,7 +548,7 @@ class TieredStore:
         ok = True
         for tier in tiers:
             try:
-                with self._call(tier, read=False):
+                with self._call(tier, read=False, nbytes=meta.object_len):
                     status = tier.put(meta, view, WriteMode.CREATE)
             except TierUnavailable:
                 self._drop("tier_down")
@@ -402,7 +559,26 @@ class TieredStore:
                 ok = False
                 continue
             ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
+            if status is PutStatus.STORED:
+                self._collect_later(tier)
         return ok
+
+    def _collect_later(self, tier: Tier) -> None:
+        """Queue one collection of ``tier`` (capacity) as its own job, outside any timed
+        call, unless one is queued already: a big collection is not a slow write."""
+        with self._parts_lock:
+            if id(tier) in self._collecting:
+                return
+            self._collecting.add(id(tier))
+
+        def job() -> int:
+            with self._parts_lock:
+                self._collecting.discard(id(tier))
+            return tier.collect()
+
+        if self._submit(job, "collect", self._pool_of(tier), count_drop=False) is None:
+            with self._parts_lock:
+                self._collecting.discard(id(tier))
 
     def _job_failed(self, tier: str, kind: str) -> None:
         """Count a store job that raised; log its traceback once per (tier, kind). Runs on
@@ -414,9 +590,13 @@ class TieredStore:
             log.exception("kvtier: %s job on tier %s failed (logged once; counted in "
                           "kvtier_store_errors_total)", kind, tier)
 
-    def _submit(self, job: Callable[[], Any], kind: str) -> Future[Any] | None:
-        """Queue a store job; ``None`` (and a counted drop) if the store queue is full. A
-        job that raises is counted and logged (tier ``store``), never swallowed."""
+    def _submit(
+        self, job: Callable[[], Any], kind: str, pool: IOPool | None = None, *,
+        count_drop: bool = True,
+    ) -> Future[Any] | None:
+        """Queue a store job on ``pool`` (default ``io``); ``None`` (and a counted drop)
+        if its store queue is full. A job that raises is counted and logged (tier
+        ``store``), never swallowed."""
 
         def guarded() -> Any:
             try:
@@ -425,9 +605,10 @@ class TieredStore:
                 self._job_failed("store", kind)
                 raise
 
-        fut = self.io.submit_store(guarded)
+        fut = (pool or self.io).submit_store(guarded)
         if fut is None:
-            self._drop("store_queue_full")
+            if count_drop:
+                self._drop("store_queue_full")
             return None
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
@@ -438,7 +619,10 @@ class TieredStore:
         record_drop(reason)
 
     # -- reads -------------------------------------------------------------------------
-    def load(self, found: Lookup, expect: ChunkSpec | None = None) -> Future[Held]:
+    def load(
+        self, found: Lookup, expect: ChunkSpec | None = None,
+        progress: LoadProgress | None = None,
+    ) -> Future[Held]:
         """Hold the chunks of ``found`` (a ``lookup_indexed`` or ``lookup`` answer, or its
         ``head``) in host slots, in order, promoting lower-tier entries into host slots.
 
@@ -454,7 +638,9 @@ class TieredStore:
         host slot or object of another namespace, token count, dtype, shape or payload
         length is a counted miss. The future never raises for storage faults or bad
         objects: a chunk that cannot be read ends the prefix. If it raises anyway (a bug),
-        it holds no slots.
+        it holds no slots. Reads run on the IO pool of the first lower tier to read from.
+        ``progress`` is touched after each chunk read; once cancelled, the load ends
+        before its next chunk (what it holds by then is in the result).
         """
         if expect is not None and expect.payload_len > self.host.slot_bytes:
             raise ValueError(
@@ -479,7 +665,9 @@ class TieredStore:
                 done: Future[Held] = Future()
                 done.set_result(held)
                 return done
-            return self.io.submit_load(lambda: self._promote(held, rest, expect))
+            first = rest[0][1]
+            pool = self._pool_of(self.tiers[first]) if first != HOST else self.io
+            return pool.submit_load(lambda: self._promote(held, rest, expect, progress))
         except BaseException:
             held.release()
             raise
@@ -502,10 +690,13 @@ class TieredStore:
                      if i > tier and b.up and lt.tier.indexed(key)), None)
 
     def _promote(
-        self, held: Held, entries: list[tuple[ChunkKey, int]], expect: ChunkSpec | None
+        self, held: Held, entries: list[tuple[ChunkKey, int]], expect: ChunkSpec | None,
+        progress: LoadProgress | None = None,
     ) -> Held:
         try:
             for key, tier in entries:
+                if progress is not None and progress.cancelled:
+                    break  # the caller gave up: read no more
                 got = (self._hold_host(key, expect) if tier == HOST
                        else self._promote_one(key, tier, expect))
                 while got is None and (below := self._indexed_below(key, tier)) is not None:
@@ -514,6 +705,8 @@ class TieredStore:
                 if got is None:
                     break
                 held.add(got)
+                if progress is not None:
+                    progress.touch()
         except BaseException:
             held.release()  # the caller gets the exception, and no slots to release
             raise
@@ -530,8 +723,9 @@ class TieredStore:
         r = self.host.reserve(key)
         if r is None:  # promoted (or being written) meanwhile by someone else
             return self._hold_host(key, expect)
+        nbytes = expect.payload_len if expect is not None else self.host.slot_bytes
         try:
-            with self._call(tier, read=True):
+            with self._call(tier, read=True, nbytes=nbytes):
                 filled = self._fill(r.slot, key, tier, expect)
         except TierUnavailable:
             self.host.abort(r.slot)
@@ -697,6 +891,8 @@ class TieredStore:
 
     def close(self, timeout: float | None = None) -> None:
         self.probe_io.close(0.0 if timeout is None else timeout)  # answers nobody awaits
-        self.io.close(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pool in self._distinct_pools():
+            pool.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for tier in self.tiers:
             tier.close()

@@ -73,6 +73,10 @@ _TMP_SUFFIX = ".tmp"
 
 
 class FileTier:
+    #: ``put`` collects (capacity) itself; a ``TieredStore`` turns this off and queues
+    #: collection as a job of its own, outside the breaker-timed write.
+    collect_on_put = True
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -325,7 +329,8 @@ class FileTier:
         self._recency.remember(meta.key, meta.object_len, now)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
-        self.collect()
+        if self.collect_on_put:  # else whoever owns the tier collects (TieredStore)
+            self.collect()
         self._report_used()
         return PutStatus.STORED
 

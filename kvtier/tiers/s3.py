@@ -114,6 +114,10 @@ class _Doomed:
 
 
 class S3Tier:
+    #: ``put`` collects (capacity) itself; a ``TieredStore`` turns this off and queues
+    #: collection as a job of its own, outside the breaker-timed write.
+    collect_on_put = True
+
     def __init__(
         self,
         *,
@@ -364,7 +368,8 @@ class S3Tier:
         self._recency.remember(meta.key, meta.object_len, now, now)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
-        self.collect()
+        if self.collect_on_put:  # else whoever owns the tier collects (TieredStore)
+            self.collect()
         self.metrics.used(self._recency.bytes)
         return PutStatus.STORED
 

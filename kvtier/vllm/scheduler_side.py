@@ -52,7 +52,7 @@ from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import record_drop, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
-from kvtier.store import Held, TieredStore, WritePolicy
+from kvtier.store import Held, LoadProgress, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
@@ -107,18 +107,30 @@ class _Lookup:
     start_tokens: int = 0
     t0: float = field(default_factory=time.perf_counter)
     threshold: int | None = None  # the request's own fixed threshold, if it set one
+    progress: LoadProgress | None = None  # of ``future``: abandoned when it stalls
+    chunks: int = 0  # staged (or being staged) host chunks
+    staged_step: int | None = None  # the engine step its chunks were all held in
 
 
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
 PROBE_INTERVAL_S = 0.05
+#: Staged chunks of requests vLLM has not admitted yet may hold at most this fraction of
+#: the host pool (a None answer costs vLLM no token budget, so one schedule() could
+#: otherwise stage the whole waiting queue and leave no slot for saves).
+STAGED_FRACTION = 0.5
+#: A staged lookup not admitted within this many engine steps is released.
+STAGED_STEPS = 64
 
 
 @dataclass
 class _Probe:
-    """A request's question to the lower tiers, asked on an IO thread."""
+    """A request's question to the lower tiers, asked on an IO thread. Kept until the
+    request finishes: a request vLLM reconsiders (its allocation failed) is not probed
+    again, except by a P/D decode waiting for announced chunks."""
 
     future: Future[int]
     started: float
+    progress: LoadProgress
     answered: float | None = None  # when its answer (or its deadline) was taken
 
 
@@ -172,6 +184,10 @@ class SchedulerSide:
         self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
+        self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
+        #: a load that read no chunk for this long is abandoned (the request recomputes)
+        self.load_stall_s = (cfg.restore.load_timeout_seconds
+                             + self.slot_bytes / (cfg.health.min_mib_per_second * 2**20))
         self._key_cache: dict[str, _Keys] = {}  # req -> identity, keys of its full chunks
         #: req -> the weights epoch it was first seen in: KV computed across a weights
         #: reset is stored under neither epoch
@@ -277,9 +293,9 @@ class SchedulerSide:
                 return None, False
             if beyond:
                 hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
-            if announced > first + hit.hits and self._keep_waiting(rid):
-                return None, False
-            self._probes.pop(rid, None)
+            if (announced > first + hit.hits and self.store.shared_up(every=False)
+                    and self._keep_waiting(rid)):
+                return None, False  # (no shared tier can answer: stop waiting now)
             waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
             t0 = time.perf_counter() - waited
             if hit.hits == 0:
@@ -298,15 +314,29 @@ class SchedulerSide:
             self._decisions[rid] = d
             if d.chunks == 0:
                 return 0, False
-            lk = _Lookup(keys, first, t0=t0, threshold=own)
-            lk.future = self.store.load(hit.head(d.chunks), self._spec(ns))
+            if self._staged_chunks() and (self._staged_chunks() + d.chunks
+                                          > self._staged_cap):
+                return None, False  # staged KV is waiting for admission: ask again
+            lk = _Lookup(keys, first, t0=t0, threshold=own,
+                         progress=LoadProgress(self.clock), chunks=d.chunks)
+            lk.future = self.store.load(hit.head(d.chunks), self._spec(ns), lk.progress)
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
-                return None, False
+                if lk.progress is None or lk.progress.idle_for() < self.load_stall_s:
+                    return None, False
+                # A read made no progress for too long (a hung filesystem blocks in the
+                # kernel): recompute now; the read's slots are released when it returns.
+                lk.progress.cancel()
+                self._forget(rid)
+                record_drop("load_timeout")
+                log.warning("kvtier: restore for %s made no progress for %.1f s; "
+                            "recomputing", rid, self.load_stall_s)
+                return 0, False
             fut, lk.future = lk.future, None
             try:
                 lk.held = fut.result()
+                lk.chunks, lk.staged_step = len(lk.held), self._step
             except Exception:
                 log.exception("kvtier: staging KV for %s failed; recomputing", rid)
                 self._lookups.pop(rid, None)
@@ -339,7 +369,12 @@ class SchedulerSide:
                          and now - p.answered >= PROBE_INTERVAL_S):
             if not self.store.can_probe():
                 return False  # every lower tier is down or busy: the indexes answer
-            self._probes[rid] = _Probe(self.store.probe(beyond), now)
+            progress = LoadProgress(self.clock)
+            fut = self.store.probe(beyond, progress=progress, fresh=waiting)
+            if fut is None:
+                log.debug("kvtier: probe queue full; %s answered from the indexes", rid)
+                return False
+            self._probes[rid] = _Probe(fut, now, progress)
             return True
         if p.answered is not None:
             return False
@@ -349,6 +384,8 @@ class SchedulerSide:
         if now - p.started < self.lookup_timeout_s:
             return True
         p.answered = now
+        p.progress.cancel()  # it asks nothing more once its tier answers
+        p.future.cancel()  # not started yet: never runs
         log.info("kvtier: lower tiers did not answer for %s within %.1f s; not waiting",
                  rid, self.lookup_timeout_s)
         return False
@@ -380,6 +417,19 @@ class SchedulerSide:
             rid, now - t0,
         )
         return False
+
+    def _staged_chunks(self) -> int:
+        """Host chunks held or being read for requests vLLM has not admitted yet."""
+        return sum(lk.chunks for lk in self._lookups.values())
+
+    def _release_stale_staging(self) -> None:
+        """Release staged lookups vLLM did not admit within ``STAGED_STEPS`` steps (their
+        request waits for GPU blocks); the request stages again when asked next."""
+        for rid, lk in list(self._lookups.items()):
+            if lk.staged_step is not None and self._step - lk.staged_step > STAGED_STEPS:
+                log.debug("kvtier: %s not admitted in %d steps; releasing its staged KV",
+                          rid, STAGED_STEPS)
+                self._forget(rid)
 
     # -- 2. allocation -> copy ops ----------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -496,13 +546,18 @@ class SchedulerSide:
         held = stored
         shared = self.role != "both" and any(
             lt.write is WritePolicy.THROUGH for lt in self.store.lower)
-        if shared and stored and self.store.rewrite_through(keys[:stored]) == 0:
+        # A re-offer costs one existence check per chunk per tier: at most once per
+        # quarter lease per chunk (a renewal or write within that keeps it alive).
+        if shared and stored and self.store.rewrite_through(
+                keys[:stored], min_age_s=self.lease_s / 4) == 0:
             # Our host copy may have outlived the shared one (collected past its lease),
             # and the job that offers them again was dropped: announce what the shared
             # tier's index knows.
             held = next((i for i, k in enumerate(keys[:stored]) if not any(
                 lt.tier.indexed(k) for lt in self.store.lower)), stored)
-        room = self.store.io.free_store_slots() if shared else n_chunks
+        room = self.store.free_store_slots(WritePolicy.THROUGH) if shared else n_chunks
+        if shared and not self.store.shared_up(every=True):
+            room = 0  # a down shared tier drops writes: announce nothing new
         announce = held  # grows only while the chain from chunk 0 stays whole
         saves: list[tuple[int, ChunkMeta]] = []
         for c in range(stored, n_chunks):
@@ -534,6 +589,8 @@ class SchedulerSide:
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:
         self._step += 1
+        if self._lookups:
+            self._release_stale_staging()
         if self.flusher is not None:
             self.flusher.busy()
         if self.step_timer is not None and scheduler_output is not None:
