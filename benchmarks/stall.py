@@ -386,6 +386,9 @@ def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--hang", choices=["s3", "cephfs"], default="s3",
+                    help="s3: the S3 endpoint hangs (moto SIGSTOP); cephfs: a file tier on "
+                         "CephFS hangs mid-read (MDS + OSD SIGSTOP; benchmarks/stall_fs.py)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 2+2 requests per phase, 1 S3 attempt, short hang")
     ap.add_argument("--preset", choices=["tiny", "bench90m"], default="tiny",
@@ -407,6 +410,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))
+    from benchmarks.stall_fs import add_arguments
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset, args.prompts, args.hang_seconds = "tiny", 2, 5.0
@@ -453,6 +459,10 @@ def serve(stack: ExitStack, args: argparse.Namespace, work: Path, model: Path
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    if args.hang == "cephfs":
+        from benchmarks.stall_fs import run
+
+        return run(args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

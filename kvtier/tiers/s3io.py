@@ -388,5 +388,7 @@ class ObjectIO:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            # Never wait: a part upload or ranged read stuck in a hung endpoint would hold
+            # the engine's shutdown past its budget (the threads are abandoned).
+            pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

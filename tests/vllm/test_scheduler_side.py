@@ -99,12 +99,14 @@ def test_load_false_never_restores(env: Any) -> None:
 
 
 def test_a_finished_request_offers_host_chunks_the_shared_tier_lost(env: Any) -> None:
-    sched, other_node, _ = env
+    sched, other_node, clock = env
+    sched.store.host.clock = clock  # when chunks were last written or offered
     keys = _keys()
     for c in range(4):
         sched.store.put(sched._meta(NS.digest(), keys, c), np.zeros(sched.slot_bytes, np.uint8))
     sched.store.flush()
-    assert other_node.delete(keys[:4]) == 4  # e.g. its collector, past the lease
+    clock.advance(sched.lease_s)  # the lease passes ...
+    assert other_node.delete(keys[:4]) == 4  # ... and its collector removes them
     req = _request("r6")
     req.num_computed_tokens = 4 * CT
     delay, params = sched.request_finished(req, list(range(4)))
