@@ -77,6 +77,15 @@ class Sample:
         return self.ttft_s if self.ttft_s is not None else self.total_s
 
 
+def sample_line(s: Sample) -> str:
+    """One request, as the benchmarks print it while they run."""
+    ttft = f"{s.ttft_s:.3f} s" if s.ttft_s is not None else f"none after {s.total_s:.1f} s"
+    extra = "" if s.matches_recompute is None else f", same tokens: {s.matches_recompute}"
+    cached = "" if s.cached_tokens is None else f", cached {s.cached_tokens}"
+    return (f"  {s.phase:<9} {s.kind:<11} #{s.index}: TTFT {ttft}{cached}{extra}"
+            f"{', ' + s.error if s.error else ''}")
+
+
 class Client:
     """Streamed completions against one server, token ids in and out."""
 
@@ -230,10 +239,7 @@ class Bench:
 
     def report(self, s: Sample) -> None:
         self.samples.append(s)
-        ttft = f"{s.ttft_s:.3f} s" if s.ttft_s is not None else f"none after {s.total_s:.1f} s"
-        extra = "" if s.matches_recompute is None else f", same tokens: {s.matches_recompute}"
-        print(f"  {s.phase:<9} {s.kind:<9} #{s.index}: TTFT {ttft}, cached "
-              f"{s.cached_tokens}{extra}{', ' + s.error if s.error else ''}", flush=True)
+        print(sample_line(s), flush=True)
 
     def hang(self, moto: MotoServer) -> None:
         """The hung phase; the endpoint is resumed however it ends (Ctrl-C included)."""
@@ -296,11 +302,14 @@ def landed(s3: Any, name: str, until: float, quiet_s: float = 1.0) -> bool:
     return seen
 
 
-def summarise(samples: list[Sample]) -> list[dict[str, Any]]:
+def summarise(samples: list[Sample], kinds: tuple[str, ...] = KINDS) -> list[dict[str, Any]]:
+    """Per phase and kind: TTFT median and max, the slowest last token, requests without
+    a token, the ratio to the healthy median and (kinds other than ``new``) how many
+    had a recompute's tokens; also ``stall_fs.py``'s table."""
     rows = []
     healthy: dict[str, float] = {}
     for phase in PHASES:
-        for kind in KINDS:
+        for kind in kinds:
             mine = [s for s in samples if s.phase == phase and s.kind == kind]
             waited = [s.waited_s for s in mine]
             row: dict[str, Any] = {"phase": phase, "kind": kind, "n": len(mine),
@@ -311,7 +320,7 @@ def summarise(samples: list[Sample]) -> list[dict[str, Any]]:
             if phase == "healthy":
                 healthy[kind] = row["median_s"]
             row["vs_healthy"] = round(row["median_s"] / healthy[kind], 2)
-            if kind == "returning":
+            if kind != "new":
                 row["same_tokens"] = sum(bool(s.matches_recompute) for s in mine)
             rows.append(row)
     return rows
@@ -353,7 +362,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path) -> bool:
+def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path, *,
+         kinds: tuple[str, ...] = KINDS,
+         title: str = "TTFT while the S3 endpoint hangs (moto SIGSTOP)") -> bool:
+    """TTFT per request over time, phases shaded, one marker per kind (an ``x`` for a
+    request that got no token); also ``stall_fs.py``'s plot."""
     try:
         import matplotlib
     except ImportError:
@@ -366,7 +379,7 @@ def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path
     colours = {"healthy": "tab:green", "hung": "tab:red", "recovered": "tab:blue"}
     for phase, (a, b) in spans.items():
         ax.axvspan(a, b, color=colours[phase], alpha=0.12, label=f"{phase} phase")
-    for kind, marker in (("new", "o"), ("returning", "s")):
+    for kind, marker in zip(kinds, "os^v", strict=False):
         for lost in (False, True):
             mine = [s for s in samples if s.kind == kind and (s.ttft_s is None) == lost]
             if mine:
@@ -376,7 +389,7 @@ def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path
     ax.set_yscale("log")
     ax.set_xlabel("request start (s since the healthy phase began)")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title("TTFT while the S3 endpoint hangs (moto SIGSTOP)")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

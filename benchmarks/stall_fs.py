@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import tempfile
 import time
 from contextlib import ExitStack
@@ -35,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe
-from benchmarks.stall import NO_CACHE, USER_TOKENS, Client, Sample
+from benchmarks.stall import NO_CACHE, USER_TOKENS, Client, Sample, plot, sample_line
+from benchmarks.stall import summarise as table_rows
 from kvtier.keys import chunk_keys
 from kvtier.testing.ceph import ceph_cluster, unavailable_reason
 from kvtier.testing.engines import tokens
@@ -127,10 +127,7 @@ class Run:
 
     def _take(self, s: Sample) -> None:
         self.samples.append(s)
-        ttft = f"{s.ttft_s:.3f} s" if s.ttft_s is not None else f"none after {s.total_s:.1f} s"
-        same = "" if s.matches_recompute is None else f", same tokens: {s.matches_recompute}"
-        print(f"  {s.phase:<9} {s.kind:<11} #{s.index}: TTFT {ttft}{same}"
-              f"{', ' + s.error if s.error else ''}", flush=True)
+        print(sample_line(s), flush=True)
 
 
 def restored_from(client: Client, tier: str, timeout_s: float = 10.0) -> float:
@@ -143,25 +140,14 @@ def restored_from(client: Client, tier: str, timeout_s: float = 10.0) -> float:
 
 
 def summarise(samples: list[Sample]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    rows: list[dict[str, Any]] = []
-    healthy: dict[str, float] = {}
-    for phase in PHASES:
-        for kind in KINDS:
-            mine = [s for s in samples if s.phase == phase and s.kind == kind]
-            waited = [s.waited_s for s in mine]
-            row: dict[str, Any] = {"phase": phase, "kind": kind, "n": len(mine),
-                                   "median_s": round(statistics.median(waited), 4),
-                                   "max_s": round(max(waited), 4),
-                                   "unanswered": sum(s.ttft_s is None for s in mine)}
-            if phase == "healthy":
-                healthy[kind] = row["median_s"]
-            row["bound_s"] = round(max(3 * healthy[kind], healthy[kind] + 2.0), 4)
-            if kind != "new":
-                row["same_tokens"] = sum(bool(s.matches_recompute) for s in mine)
-            rows.append(row)
+    rows = table_rows(samples, kinds=KINDS)
+    healthy = {r["kind"]: r["median_s"] for r in rows if r["phase"] == "healthy"}
+    for row in rows:
+        h = healthy[row["kind"]]
+        row["bound_s"] = round(max(3 * h, h + 2.0), 4)
     checks = [
         {"name": "every request answered within max(3x healthy, healthy + 2 s) (each)",
-         "pass": all(r["unanswered"] == 0 and r["max_s"] <= r["bound_s"] for r in rows),
+         "pass": all(r["timeouts"] == 0 and r["max_s"] <= r["bound_s"] for r in rows),
          "value": "; ".join(f"{r['phase']}/{r['kind']} max {r['max_s']:.3f} s <= "
                             f"{r['bound_s']:.3f} s" for r in rows if r["phase"] == "hung")},
         {"name": "returning conversations: tokens identical to a recompute",
@@ -170,33 +156,6 @@ def summarise(samples: list[Sample]) -> tuple[list[dict[str, Any]], list[dict[st
                   f"{sum(s.kind != 'new' for s in samples)}"},
     ]
     return rows, checks
-
-
-def plot(samples: list[Sample], spans: dict[str, tuple[float, float]], out: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colours = {"healthy": "tab:green", "hung": "tab:red", "recovered": "tab:blue"}
-    for phase, (a, b) in spans.items():
-        ax.axvspan(a, b, color=colours[phase], alpha=0.12, label=f"{phase} phase")
-    for kind, marker in zip(KINDS, ("o", "s", "^"), strict=True):
-        mine = [s for s in samples if s.kind == kind]
-        ax.scatter([s.start_s for s in mine], [s.waited_s for s in mine], marker=marker,
-                   label=kind)
-    ax.set_yscale("log")
-    ax.set_xlabel("request start (s since the healthy phase began)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("TTFT while CephFS hangs (MDS + OSD SIGSTOP)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -270,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     print("targets (issue 18):")
     for c in checks:
         print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['name']}: {c['value']}")
-    plot(r.samples, r.spans, out / "stall_fs.png")
+    plot(r.samples, r.spans, out / "stall_fs.png", kinds=KINDS,
+         title="TTFT while CephFS hangs (MDS + OSD SIGSTOP)")
     return 0 if all(c["pass"] for c in checks) else 1
 
 
