@@ -410,7 +410,7 @@ class TieredStore:
         if self._through:
             self._mark_offered([meta.key])  # a write counts as an offer (rewrite_through)
         for tier in self._through:
-            self._queue_write(slot, meta, [tier], spill=False, kind="write_through")
+            self._queue_write(slot, meta, [tier], cleans=False, kind="write_through")
         if self._back:
             self._spill_if_needed()
         return True
@@ -466,7 +466,7 @@ class TieredStore:
         if not self.can_write_back():
             return  # every write-back tier is down: the chunks stay dirty (not lost)
         for slot, meta in self.host.index.take_dirty(self._spill_batch):
-            self._queue_write(slot, meta, self._back, spill=True, held=True, kind="spill")
+            self._queue_write(slot, meta, self._back, cleans=True, held=True, kind="spill")
 
     def _queue_write(
         self,
@@ -474,16 +474,18 @@ class TieredStore:
         meta: ChunkMeta,
         tiers: Sequence[Tier],
         *,
-        spill: bool,
+        cleans: bool,
         held: bool = False,
         kind: str,
     ) -> Future[Any] | None:
         """Queue a write of one host slot to ``tiers`` (``held``: the caller holds it once
         already), one job per tier's IO pool, each holding the slot until it is done; the
-        result is True if every tier holds the chunk. A spill marks the chunk clean only
-        then; a failed one leaves it dirty (nothing stored is lost) and restarts its age.
+        result is True if every tier holds the chunk. With ``cleans`` (a spill or a
+        write-back of a dirty chunk) the chunk is marked clean only then; a failed write
+        leaves it dirty (nothing stored is lost) and restarts its age.
 
-        ``None`` if the chunk was evicted first or no job could be queued (counted).
+        ``None`` if the chunk was evicted first or no job could be queued (counted; the
+        chunk is as it was: a full queue is not a failed write).
         """
         if not held and self.host.index.hold(meta.key) is None:
             return None  # evicted before we got to it
@@ -491,10 +493,10 @@ class TieredStore:
         for tier in tiers:
             pool = self._pool_of(tier)
             groups.setdefault(id(pool), (pool, []))[1].append(tier)
+        for _ in range(len(groups) - 1):  # one hold per job; ours keeps the key in slot
+            self.host.index.hold(meta.key)
         parts: list[Future[Any]] = []
-        for i, (pool, group) in enumerate(groups.values()):
-            if i and self.host.index.hold(meta.key) is None:
-                break  # (cannot happen: the first hold keeps it)
+        for pool, group in groups.values():
 
             def job(group: list[Tier] = group) -> bool:
                 try:
@@ -505,11 +507,9 @@ class TieredStore:
             fut = self._submit(job, kind, pool)
             if fut is None:
                 self.host.release(slot)
-                continue
-            parts.append(fut)
+            else:
+                parts.append(fut)
         if not parts:
-            if spill:
-                self.host.index.write_failed(slot, meta.key)
             return None
         whole: Future[Any] = Future()
         whole.set_running_or_notify_cancel()
@@ -524,9 +524,9 @@ class TieredStore:
             ok = not missing and all(
                 not f.cancelled() and f.exception() is None and bool(f.result())
                 for f in parts)
-            if spill:
+            if cleans:
                 if ok:
-                    self.host.index.mark_clean(slot, meta.key)
+                    self.host.index.mark_clean(slot, meta.key)  # never reused while dirty
                 else:
                     self.host.index.write_failed(slot, meta.key)
             whole.set_result(ok)
@@ -810,21 +810,14 @@ class TieredStore:
         batch = self.host.index.take_dirty(max_n, hottest_first=True, skip=skip,
                                            older_than=older_than)
         for i, (slot, meta) in enumerate(batch):
-            fut = self._queue_write(slot, meta, self._back, spill=False, held=True,
+            fut = self._queue_write(slot, meta, self._back, cleans=True, held=True,
                                     kind="write_back")
             if fut is None:  # the store queue is full: the rest stay dirty for later
                 for rest, _ in batch[i + 1 :]:
                     self.host.release(rest)
                 break
-            fut.add_done_callback(partial(self._cleaned, slot, meta.key))
             jobs[fut] = meta.key
         return jobs
-
-    def _cleaned(self, slot: int, key: ChunkKey, fut: Future[Any]) -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result():
-            self.host.index.mark_clean(slot, key)  # a dirty slot is never reused
-        else:  # stays dirty; its age restarts, so the aged write-back backs off
-            self.host.index.write_failed(slot, key)
 
     def flush_dirty(self, budget_s: float, clock: Clock = SYSTEM_CLOCK) -> FlushReport:
         """Write dirty host chunks to the write-back tiers, most recently used first, for at

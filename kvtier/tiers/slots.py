@@ -259,11 +259,6 @@ class SlotIndex:
                     out.append((slot, s.ready_meta()))
         return out
 
-    def oldest_dirty(self) -> float | None:
-        """When the longest-dirty chunk became dirty (``clock.monotonic()``), or None."""
-        with self._lock:
-            return next(iter(self._dirty_order.values()), None)
-
     def dirty_keys(self) -> set[ChunkKey]:
         with self._lock:
             return {k for k, slot in self._by_key.items() if self._slots[slot].dirty}

@@ -36,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.metrics import drain_export, enable_export, record_failed_loads, record_worker_step
-from kvtier.ops import layout_from_backend
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -49,7 +48,7 @@ from kvtier.vllm.geometry import (
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import parse_extra_config
-from kvtier.vllm.shm import pool_path, publish_physical, read_physical, remove_published
+from kvtier.vllm.shm import pool_path, publish_physical, read_physical
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
 
@@ -169,13 +168,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # Before the pool exists: a refused scale setting leaves nothing behind.
         scales = kv_scales_digest([(n, ctx[n]) for n in w.layer_names], cache_dtype)
         w.register(kv_caches, backend_cls, layout, num_blocks)
-        # The layout WorkerSide.register resolved (the same pure function, same inputs).
-        resolved = layout_from_backend(
-            backend_cls, num_blocks=num_blocks, block_size=w.geom.block_size,
-            num_kv_heads=w.geom.num_kv_heads, head_size=w.geom.head_size,
-            dtype=kv_caches[w.layer_names[0]].dtype, kv_cache_layout=layout,
-        )
-        physical = PhysicalKV(describe_layout(backend_cls, name, resolved), cache_dtype, scales)
+        assert w.layout is not None  # resolved by register()
+        physical = PhysicalKV(describe_layout(backend_cls, name, w.layout), cache_dtype, scales)
         publish_physical(self._pool_path, physical, engine_id=self._engine_id,
                          tp_rank=self._tp_rank, slot_bytes=w.slot_bytes)
 
@@ -244,8 +238,5 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._sched is not None:
             self._sched.close()
-        if self._worker is not None and self._worker.host_pool is not None:
-            # Only a worker that created the pool removes the names: one that failed to
-            # (another engine has this engine_id) must not remove that engine's files.
-            self._worker.close()
-            remove_published(self._pool_path)  # the scheduler removes it once read
+        if self._worker is not None:
+            self._worker.close()  # removes the pool's names only if it created the pool

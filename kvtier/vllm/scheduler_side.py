@@ -314,8 +314,8 @@ class SchedulerSide:
             self._decisions[rid] = d
             if d.chunks == 0:
                 return 0, False
-            if self._staged_chunks() and (self._staged_chunks() + d.chunks
-                                          > self._staged_cap):
+            staged = self._staged_chunks()
+            if staged and staged + d.chunks > self._staged_cap:
                 return None, False  # staged KV is waiting for admission: ask again
             lk = _Lookup(keys, first, t0=t0, threshold=own,
                          progress=LoadProgress(self.clock), chunks=d.chunks)

@@ -48,7 +48,7 @@ from kvtier.tiers.base import TierError
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.vllm.shm import remove_pool
+from kvtier.vllm.shm import remove_pool, remove_published
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -70,6 +70,7 @@ class WorkerSide:
         self._batches: Batches = batches if batches is not None else self.backend
         self._issue = issue
         self.views: list[torch.Tensor] = []
+        self.layout: KVLayout | None = None  # as resolved by register()
         self.slot_bytes = 0
         self.host_pool: HostPool | None = None
         self.pool: torch.Tensor | None = None
@@ -113,6 +114,7 @@ class WorkerSide:
             dtype=first.dtype,
             kv_cache_layout=kv_cache_layout,
         )
+        self.layout = layout
         self.views = [layout.block_view(kv_caches[n]) for n in self.layer_names]
         self.slot_bytes = layout.chunk_bytes(len(self.views), self.bpc)
         expected = self.geom.chunk_bytes(self.cfg.chunk_tokens)
@@ -279,6 +281,7 @@ class WorkerSide:
         must not remove that engine's pool)."""
         if self.host_pool is not None:
             remove_pool(self.pool_path)
+            remove_published(self.pool_path)  # the scheduler removes it once read
 
 
 def forward_runs_layer_by_layer(forward_context: Any) -> bool:
