@@ -14,7 +14,10 @@ from kvtier.keys import ChunkKey
 
 
 class EvictionPolicy(Protocol):
-    def insert(self, key: ChunkKey) -> None: ...
+    def insert(self, key: ChunkKey, *, cold: bool = False) -> None:
+        """Add ``key`` as the most valuable key, or with ``cold`` the least."""
+        ...
+
 
     def touch(self, key: ChunkKey) -> None: ...
 
@@ -26,6 +29,10 @@ class EvictionPolicy(Protocol):
         """Keys from least to most valuable, without changing anything."""
         ...
 
+    def coldest_key(self) -> ChunkKey | None:
+        """The least valuable key, in O(1); None if empty."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -35,9 +42,9 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, *, cold: bool = False) -> None:
         self._order[key] = None
-        self._order.move_to_end(key)
+        self._order.move_to_end(key, last=not cold)
 
     def touch(self, key: ChunkKey) -> None:
         if key in self._order:
@@ -61,6 +68,9 @@ class LRUPolicy:
 
     def coldest(self) -> Iterator[ChunkKey]:
         return iter(list(self._order))
+
+    def coldest_key(self) -> ChunkKey | None:
+        return next(iter(self._order), None)
 
     def __len__(self) -> int:
         return len(self._order)

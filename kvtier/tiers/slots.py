@@ -30,6 +30,14 @@ Invariants:
   evicted, only spilled first (``take_dirty``) and then marked clean.
 * All methods are atomic under one lock and none does I/O, so any thread may call any
   of them; the lock is never held across a caller's work.
+
+*Costs under the lock.* Only clean READY keys are in the eviction policy; dirty ones are
+in the index's own recency order (``_dirty_lru``) and its age order (``_dirty_order``).
+So ``reserve`` skips only held keys (reads in flight) when it looks for a victim, and a
+spill (``take_dirty``) walks dirty keys only, never the whole LRU: neither cost grows with
+the pool. A chunk that turns clean rejoins the policy at the cold end if it was used less
+recently than the coldest clean chunk (a spilled chunk, the usual case), else at the hot
+end: recency is kept exactly where it matters, for the next eviction.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class _Slot:
     holds: int = 0
     dirty: bool = False
     dirty_since: float = 0.0  # clock.monotonic() at the commit that made it dirty
+    used: int = 0  # the index's use counter at its last commit or hold
 
     def ready_meta(self) -> ChunkMeta:
         assert self.state is SlotState.READY and self.meta is not None
@@ -91,6 +100,9 @@ class SlotIndex:
         #: dirty READY slots, oldest dirty first (slot -> dirty_since): aged write-back
         #: picks from the front in O(picked), never scanning the LRU under the lock
         self._dirty_order: OrderedDict[int, float] = OrderedDict()
+        #: dirty READY keys, least recently used first (key -> slot); never in the policy
+        self._dirty_lru: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._uses = 0
         self._policy = policy
         self._clock = clock  # dirty ages only (take_dirty(older_than=...))
         self._lock = threading.Lock()
@@ -106,8 +118,11 @@ class SlotIndex:
         return s
 
     def _evictable(self, key: ChunkKey) -> bool:
-        s = self._slots[self._by_key[key]]
-        return s.holds == 0 and not s.dirty
+        return self._slots[self._by_key[key]].holds == 0  # the policy holds clean keys only
+
+    def _use(self, s: _Slot) -> None:
+        self._uses += 1
+        s.used = self._uses
 
     def reserve(self, key: ChunkKey, *, backup: bool = False) -> Reservation | None:
         """A WRITING slot for ``key``, evicting one clean, unheld LRU chunk if needed.
@@ -164,11 +179,14 @@ class SlotIndex:
                 return False
             s.state, s.meta, s.dirty = SlotState.READY, meta, dirty
             s.dirty_since = self._clock.monotonic() if dirty else 0.0
+            self._use(s)
             if dirty:
                 self._dirty_order[slot] = s.dirty_since
+                self._dirty_lru[meta.key] = slot
+            else:
+                self._policy.insert(meta.key)
             self._dirty += dirty
             self._by_key[meta.key] = slot
-            self._policy.insert(meta.key)
             return True
 
     def abort(self, slot: int) -> None:
@@ -199,7 +217,11 @@ class SlotIndex:
                 return None
             s = self._expect(slot, SlotState.READY)
             s.holds += 1
-            self._policy.touch(key)
+            self._use(s)
+            if s.dirty:
+                self._dirty_lru.move_to_end(key)
+            else:
+                self._policy.touch(key)
             return slot, s.ready_meta()
 
     def release(self, slot: int) -> None:
@@ -248,20 +270,21 @@ class SlotIndex:
                         s.holds += 1
                         out.append((slot, s.ready_meta()))
                 return out
-            order = self._policy.coldest()
-            for key in reversed(list(order)) if hottest_first else order:
+            # dirty keys only, coldest (or hottest) first: O(dirty), never the whole LRU
+            order = reversed(self._dirty_lru) if hottest_first else iter(self._dirty_lru)
+            for key in order:
                 if len(out) == max_n:
                     break
-                slot = self._by_key[key]
+                slot = self._dirty_lru[key]
                 s = self._slots[slot]
-                if s.dirty and s.holds == 0 and key not in skip:
+                if s.holds == 0 and key not in skip:
                     s.holds += 1
                     out.append((slot, s.ready_meta()))
         return out
 
     def dirty_keys(self) -> set[ChunkKey]:
         with self._lock:
-            return {k for k, slot in self._by_key.items() if self._slots[slot].dirty}
+            return set(self._dirty_lru)
 
     def mark_clean(self, slot: int, key: ChunkKey | None = None) -> None:
         """The slot's chunk is stored below. With ``key``: only if the slot still holds it."""
@@ -269,9 +292,16 @@ class SlotIndex:
             s = self._expect(slot, SlotState.READY)
             if key is not None and s.ready_meta().key != key:
                 return
-            self._dirty -= s.dirty
+            if not s.dirty:
+                return
+            self._dirty -= 1
             s.dirty = False
             self._dirty_order.pop(slot, None)
+            mine = s.ready_meta().key
+            del self._dirty_lru[mine]
+            coldest = self._policy.coldest_key()
+            cold = coldest is not None and s.used < self._slots[self._by_key[coldest]].used
+            self._policy.insert(mine, cold=cold)
 
     def write_failed(self, slot: int, key: ChunkKey) -> None:
         """A write of the dirty chunk in ``slot`` failed: it stays dirty and its age starts
@@ -297,9 +327,12 @@ class SlotIndex:
             if slot is None or self._slots[slot].holds:
                 return False
             del self._by_key[key]
-            self._policy.remove(key)
-            self._dirty -= self._slots[slot].dirty
-            self._dirty_order.pop(slot, None)
+            if self._slots[slot].dirty:
+                self._dirty -= 1
+                del self._dirty_lru[key]
+                self._dirty_order.pop(slot, None)
+            else:
+                self._policy.remove(key)
             self._slots[slot] = _Slot()
             self._free.append(slot)
             return True

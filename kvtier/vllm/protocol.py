@@ -33,14 +33,18 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Steps whose loads the worker finished, and saves that failed."""
+    """Steps whose loads the worker finished, saves that failed, and the step this
+    output belongs to (``KVTierMetadata.step`` of the step the worker ran; 0: none ran),
+    by which the scheduler pairs an output with the step it timed."""
 
     loaded_steps: list[int] = field(default_factory=list)
     failed_saves: list[str] = field(default_factory=list)
+    step: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(
             sorted(set(self.loaded_steps) | set(other.loaded_steps)),
             sorted(set(self.failed_saves) | set(other.failed_saves)),
+            max(self.step, other.step),
         )

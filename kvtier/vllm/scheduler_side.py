@@ -594,7 +594,7 @@ class SchedulerSide:
         if self.flusher is not None:
             self.flusher.busy()
         if self.step_timer is not None and scheduler_output is not None:
-            self.step_timer.built(scheduler_output, self._loads)
+            self.step_timer.built(self._step, scheduler_output, self._loads)
         meta = KVTierMetadata(self._step, self._loads, self._to_save)
         if self._load_holds:
             self._holds_by_step[self._step] = self._load_holds
@@ -602,10 +602,10 @@ class SchedulerSide:
         return meta
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
-        if self.step_timer is not None:
-            self.step_timer.done()
         failed: set[str] = set()
         if isinstance(worker_meta, KVTierWorkerMetadata):
+            if self.step_timer is not None:
+                self.step_timer.done(worker_meta.step)
             for step in worker_meta.loaded_steps:
                 for held in self._holds_by_step.pop(step, []):
                     held.release()

@@ -5,9 +5,12 @@ fed by the store's verified reads (``TieredStore.on_read``, IO threads), by a pr
 each lower tier at start (on an IO thread), and by the engine's step times
 (``StepTimer``).
 
-Threads: ``StepTimer.built`` and ``done`` run on vLLM's scheduler thread, in step order:
-``built`` when a step's connector metadata is built (its scheduler output says what it
-computes), ``done`` when that step's output comes back. Memory only.
+Threads: ``StepTimer.built`` and ``done`` run on vLLM's scheduler thread: ``built`` when
+a step's connector metadata is built (its scheduler output says what it computes),
+``done`` when an output comes back, with the step the worker said it ran. Outputs are
+paired with steps by that id, never by arrival order: vLLM reports no output for some
+steps and an output for some 0-token steps (a step that only finishes sends), so counting
+would pair a step with a neighbour's time. Memory only.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -63,6 +66,7 @@ def _seed(model: CostModel, tier: Tier, slot_bytes: int) -> None:
 
 @dataclass
 class _Step:
+    step: int
     t_built: float
     requests: list[tuple[int, int]]  # (tokens computed this step, context before it)
     loaded_bytes: int
@@ -71,15 +75,18 @@ class _Step:
 class StepTimer:
     """Times engine steps for the cost model: from a step's metadata to its output."""
 
-    def __init__(self, model: CostModel, block_bytes: int) -> None:
+    def __init__(self, model: CostModel, block_bytes: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
+        self._clock = clock
         self.block_bytes = block_bytes  # one vLLM block of every layer
         self._steps: deque[_Step] = deque()
         self._last_done = 0.0
 
-    def built(self, so: Any, loads: Sequence[CopyOp]) -> None:
-        """A step was scheduled (``so``: vLLM's ``SchedulerOutput``); ``loads`` are the
-        connector's copies in it, which its time includes."""
+    def built(self, step: int, so: Any, loads: Sequence[CopyOp]) -> None:
+        """Step ``step`` was scheduled (``so``: vLLM's ``SchedulerOutput``); ``loads`` are
+        the connector's copies in it, which its time includes. Steps that compute no
+        tokens are not timed."""
         per_req: dict[str, int] = getattr(so, "num_scheduled_tokens", None) or {}
         if not per_req:
             return  # an empty step: vLLM may not report its output
@@ -92,14 +99,21 @@ class StepTimer:
         if len(self._steps) >= MAX_STEPS_IN_FLIGHT:
             self._steps.popleft()  # an output that never came: never let timings drift
         loaded = sum(len(op.block_ids) for op in loads) * self.block_bytes
-        self._steps.append(_Step(time.perf_counter(), [r for r in reqs if r[0]], loaded))
+        self._steps.append(_Step(step, self._clock(), [r for r in reqs if r[0]],
+                                 loaded))
 
-    def done(self) -> None:
-        """The oldest step's output arrived."""
-        if not self._steps:
+    def done(self, step: int) -> None:
+        """The output of step ``step`` arrived (0: a worker that ran no step). Older steps
+        still awaited never will be (their outputs were empty) and are dropped untimed."""
+        if step <= 0:
             return
-        step = self._steps.popleft()
-        now = time.perf_counter()
-        seconds = now - max(step.t_built, self._last_done)  # async scheduling: it queued
+        while self._steps and self._steps[0].step < step:
+            self._steps.popleft()
+        now = self._clock()
+        if not self._steps or self._steps[0].step != step:
+            self._last_done = now  # an untimed (0-token) step: the next one queued on it
+            return
+        done = self._steps.popleft()
+        seconds = now - max(done.t_built, self._last_done)  # async scheduling: it queued
         self._last_done = now
-        self.model.observe_step(step.requests, seconds, loaded_bytes=step.loaded_bytes)
+        self.model.observe_step(done.requests, seconds, loaded_bytes=done.loaded_bytes)

@@ -79,6 +79,7 @@ class WorkerSide:
         # Loads: this step's (until wait_for_save), then copying until done (CUDA).
         self._loads: LayerLoads | None = None
         self._loads_step = 0
+        self._ran_step = 0  # the step run() last ran, until worker_meta reports it
         self._loading: list[tuple[int, LayerLoads]] = []
         self._load_errors: set[int] = set()
         self._waited = [False] * len(layer_names)  # layers vLLM waited for this step
@@ -157,6 +158,7 @@ class WorkerSide:
         every load is ordered before the forward here.
         """
         t0 = time.perf_counter()
+        self._ran_step = meta.step
         if self._loads is not None:  # no wait_for_save since the last step: be safe
             self.end_forward()
         loads = self.copier.start_loads(meta.loads)
@@ -258,13 +260,16 @@ class WorkerSide:
 
     def worker_meta(self) -> KVTierWorkerMetadata | None:
         """Steps whose loads are complete (their host slots may be released) and saves
-        that failed, reported with their ids in this step's ``get_finished``."""
+        that failed, reported with their ids in this step's ``get_finished``; and the
+        step just run, so that every step's output (a 0-token one included) reaches the
+        scheduler side paired with its step."""
         loaded = [step for step, loads in self._loading if loads.done()]
         if loaded:
             self._loading = [(s, ld) for s, ld in self._loading if s not in loaded]
-        if not loaded and not self._failed_saves:
+        step, self._ran_step = self._ran_step, 0
+        if not loaded and not self._failed_saves and not step:
             return None
-        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves))
+        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves), step)
         self._failed_saves = set()
         return meta
 

@@ -109,3 +109,63 @@ def test_a_meta_with_the_same_key_may_differ_in_everything_else() -> None:
     meta = replace(meta_for(make_key(1)), dtype="float16", num_tokens=7)
     index.commit(r.slot, meta, dirty=False)
     assert index.entries() == [(r.slot, meta)]
+
+
+class _CountingLRU(LRUPolicy):
+    """Counts the keys an eviction looks at, and full-order walks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looked = 0
+        self.walks = 0
+
+    def evict(self, n, can_evict):  # type: ignore[no-untyped-def]
+        def counted(key):  # type: ignore[no-untyped-def]
+            self.looked += 1
+            return can_evict(key)
+        return super().evict(n, counted)
+
+    def coldest(self):  # type: ignore[no-untyped-def]
+        self.walks += 1
+        return super().coldest()
+
+
+def test_eviction_and_spill_never_walk_the_whole_lru() -> None:
+    """A pool of many dirty chunks and one clean one: ``reserve`` finds the clean victim
+    at once, and a spill picks the coldest dirty chunk without walking the clean ones."""
+    policy = _CountingLRU()
+    n = 2000
+    index = SlotIndex(n, policy)
+    for i in range(n - 1):
+        _ready(index, i, dirty=True)
+    clean = _ready(index, n - 1)
+    r = index.reserve(make_key(10_000))
+    assert r is not None and r.slot == clean and r.evicted == (make_key(n - 1),)
+    assert policy.looked == 1, "only clean keys are candidates"
+    index.abort(r.slot)
+    spill = index.take_dirty(2)
+    assert [m.key for _, m in spill] == [make_key(0), make_key(1)]
+    hot = index.take_dirty(1, hottest_first=True)
+    assert [m.key for _, m in hot] == [make_key(n - 2)]
+    assert policy.walks == 0
+    assert len(index.dirty_keys()) == n - 1
+
+
+def test_a_spilled_chunk_is_the_next_victim_and_a_hot_clean_one_is_not() -> None:
+    index = _index(4)
+    cold_dirty = _ready(index, 1, dirty=True)
+    _ready(index, 2)  # clean, used after chunk 1
+    hot_dirty = _ready(index, 3, dirty=True)
+    _ready(index, 4)  # clean, newest
+    held = index.hold(make_key(3))  # chunk 3 used again: hottest
+    assert held is not None
+    index.release(held[0])
+    index.mark_clean(cold_dirty)  # spilled: colder than every clean chunk
+    index.mark_clean(hot_dirty)  # written through: the hottest chunk
+    order = []
+    for k in range(10, 14):
+        r = index.reserve(make_key(k))
+        assert r is not None
+        order += list(r.evicted)
+        index.commit(r.slot, meta_for(make_key(k)), dirty=True)  # dirty: never evicted
+    assert order == [make_key(1), make_key(2), make_key(4), make_key(3)]

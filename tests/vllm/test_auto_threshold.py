@@ -20,6 +20,7 @@ from kvtier.keys import Namespace, chunk_keys
 from kvtier.stepfit import StepModel
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.protocol import KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from tests.vllm.hooks import ask
 
@@ -54,8 +55,8 @@ def _step(s: SchedulerSide, i: int, tokens: int) -> None:
         scheduled_new_reqs=[SimpleNamespace(req_id=f"w{i}", num_computed_tokens=0)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
     )
-    s.build_meta(so)
-    s.on_worker_output(None, None)
+    meta = s.build_meta(so)
+    s.on_worker_output(None, KVTierWorkerMetadata(step=meta.step))
 
 
 def _request() -> SimpleNamespace:
