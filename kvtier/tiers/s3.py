@@ -21,10 +21,15 @@ Invariants:
   ``part_size``, all from one object version. Header and payload (and the reader's
   ``ChunkSpec``, when given) are verified before the meta is returned. A corrupt object
   is counted and deleted, but only if it is still the version that was read (``If-Match``,
-  or an ETag-comparing HEAD); a version replaced mid-read is a plain miss.
+  or an ETag-comparing HEAD); a version replaced mid-read is read once more from the
+  start (another node's restamp of a multipart object changes its ETag, not its bytes),
+  then a plain miss.
 * Recency is shared by all nodes: a hit rewrites the object's ``kvtier-used`` metadata
   (kvtier's wall clock) with a server-side copy onto itself, at most once per
-  ``touch_interval``; that also refreshes LastModified for listings.
+  ``touch_interval``; that also refreshes LastModified for listings. The restamp is never
+  part of the read: ``get_into`` queues it (one per key, at most ``STAMP_QUEUE``; beyond
+  that this node's own recency is all that is kept) to one stamping thread, so a read's
+  time, which the breaker judges, is the read's alone.
 * The index (coldest first, by kvtier's clock) is rebuilt by listing the prefix at start
   and on ``rescan()``; a listing has only LastModified, which stands in for recency.
   Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
@@ -63,6 +68,7 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
+from kvtier.iopool import IOPool, IOPoolClosed
 from kvtier.keys import ChunkKey, key_from_hex
 from kvtier.metrics import TierMetrics
 from kvtier.objformat import (
@@ -104,6 +110,8 @@ log = logging.getLogger("kvtier.s3")
 _SUFFIX = ".kv"
 _CLOCK_SKEW_S = 60.0  # leeway between a node's clock and the endpoint's LastModified
 _GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
+#: Restamps waiting for the stamping thread; beyond that a hit keeps only local recency.
+STAMP_QUEUE = 256
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,9 @@ class S3Tier:
         self._recency = RecencyIndex()
         self._collecting = threading.Lock()  # one collection at a time
         self._faulting = False  # log the first fault of an outage; count the rest
+        self._stamps: IOPool | None = None  # restamps after hits, off the read path
+        self._stamp_keys: set[ChunkKey] = set()  # queued restamps (one per key)
+        self._stamp_lock = threading.Lock()
         for ok, problem in [
             (capacity_bytes > 0, f"capacity: must be > 0, got {capacity_bytes}"),
             (part_size >= MIN_PART, f"part_size: {part_size} is below S3's 5 MiB minimum"),
@@ -274,7 +285,10 @@ class S3Tier:
         entry = self._recency.get(key)
         plan = max(1, min(entry.size, cap)) if entry is not None else cap
         try:
-            total, etag = self.io.read(name, head, dst, plan)
+            try:
+                total, etag = self.io.read(name, head, dst, plan)
+            except Changed:  # replaced mid-read (a restamp of a multipart object): once more
+                total, etag = self.io.read(name, head, dst, plan)
         except (Missing, Changed) as e:
             if isinstance(e, Missing):
                 self._recency.forget(key)
@@ -306,8 +320,39 @@ class S3Tier:
         if entry is not None and now - entry.touched < self._touch_interval:
             self._recency.use(key, now)  # this node's view; the shared one waits for the next
             return
-        self._stamp(name, now, etag)  # gone or replaced meanwhile: the next lookup notices
         self._recency.remember(key, size, now, now)
+        self._queue_stamp(key, name, now, etag)
+
+    def _queue_stamp(self, key: ChunkKey, name: str, now: float, etag: str) -> None:
+        """Restamp on the stamping thread; dropped (this node's recency is kept) when
+        ``STAMP_QUEUE`` are waiting or one for ``key`` already is."""
+        with self._stamp_lock:
+            if key in self._stamp_keys or len(self._stamp_keys) >= STAMP_QUEUE:
+                return
+            if self._stamps is None:
+                self._stamps = IOPool(1, STAMP_QUEUE, name=f"{self._name}-stamp")
+            self._stamp_keys.add(key)
+            stamps = self._stamps
+
+        def run() -> None:
+            try:
+                self._stamp(name, now, etag)  # gone or replaced: the next lookup notices
+            finally:
+                with self._stamp_lock:
+                    self._stamp_keys.discard(key)
+
+        try:
+            queued = stamps.submit_store(run)
+        except IOPoolClosed:
+            queued = None
+        if queued is None:
+            with self._stamp_lock:
+                self._stamp_keys.discard(key)
+
+    def stamps_pending(self) -> int:
+        """Restamps queued or running (tests, debugging)."""
+        with self._stamp_lock:
+            return len(self._stamp_keys)
 
     def _stamp(self, name: str, now: float, etag: str = "") -> bool:
         """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
@@ -523,4 +568,8 @@ class S3Tier:
             return self._delete(self._doom(old, heads, cutoff), evicting=True)[0]
 
     def close(self) -> None:
+        with self._stamp_lock:
+            stamps, self._stamps = self._stamps, None
+        if stamps is not None:
+            stamps.close(timeout=0)  # a restamp stuck in a hung endpoint is abandoned
         self.io.close()

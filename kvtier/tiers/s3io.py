@@ -29,15 +29,17 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from kvtier.iopool import IOPool
 from kvtier.objformat import HEADER_SPAN
 
 if TYPE_CHECKING:
@@ -217,7 +219,9 @@ class ObjectIO:
         self._part_size = part_size
         self._threshold = multipart_threshold
         self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
+        #: part transfers; daemon threads, so one stuck in a hung endpoint never holds the
+        #: process's exit (a ThreadPoolExecutor's threads are joined at interpreter exit)
+        self._pool: IOPool | None = None
         self._lock = threading.Lock()
 
     def parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
@@ -228,8 +232,9 @@ class ObjectIO:
             if len(items) > 1:
                 with self._lock:
                     if self._pool is None:
-                        self._pool = ThreadPoolExecutor(self._workers, "kvtier-s3")
-                    futures = [self._pool.submit(fn, item) for item in items[1:]]
+                        self._pool = IOPool(self._workers, 1, name="s3-parts")
+                    pool = self._pool
+                futures = [pool.submit_load(functools.partial(fn, item)) for item in items[1:]]
             first = fn(items[0])
         finally:
             wait(futures)
@@ -390,5 +395,5 @@ class ObjectIO:
         if pool is not None:
             # Never wait: a part upload or ranged read stuck in a hung endpoint would hold
             # the engine's shutdown past its budget (the threads are abandoned).
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.close(timeout=0)
         self.client.close()

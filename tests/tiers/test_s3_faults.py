@@ -247,3 +247,108 @@ def test_a_size_that_is_not_a_byte_count_is_a_fault_not_a_crash(answer: object) 
     with pytest.raises(BadAnswer):
         parse_size(answer)
     assert parse_size("1234") == parse_size(1234) == 1234
+
+
+# -- restamps are off the read path -------------------------------------------------------
+def test_a_hit_returns_before_its_restamp_and_one_restamp_per_key_is_queued(
+    endpoint: str,
+) -> None:
+    """A hit's recency restamp (a server-side self-copy) is queued, never part of the
+    read the breaker times: the read returns while the restamp is held up."""
+    import threading
+
+    tier = _tier(endpoint)
+    try:
+        assert _put(tier, 1, 4096) is PutStatus.STORED
+        gate, done = threading.Event(), threading.Event()
+        real = tier._stamp
+        calls: list[str] = []
+
+        def held_stamp(name: str, now: float, etag: str = "") -> bool:
+            calls.append(name)
+            assert gate.wait(30)
+            try:
+                return real(name, now, etag)
+            finally:
+                done.set()
+
+        tier._stamp = held_stamp  # type: ignore[method-assign]
+        tier._clock.advance(5.0)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(_get(tier, 1, 4096), payload_for(make_key(1), 4096))
+        assert tier.stamps_pending() == 1  # queued; the read did not wait for it
+        assert _get(tier, 1, 4096) is not None
+        assert tier.stamps_pending() == 1, "one restamp per key is queued, not one per hit"
+        gate.set()
+        assert done.wait(30)
+        head = raw_client(endpoint).head_object(Bucket=BUCKET, Key=tier.object_name(make_key(1)))
+        assert float(head["Metadata"]["kvtier-used"]) == tier._clock.wall()
+    finally:
+        tier.close()
+
+
+def test_a_multipart_object_restamped_mid_read_is_read_again(endpoint: str) -> None:
+    """Another node's restamp of a multipart object gives it a new ETag (a copy is one
+    part), so ranges of one read can come from two versions. The read starts again
+    instead of missing; the bytes are the same chunk."""
+    import threading
+
+    tier = _tier(endpoint, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    try:
+        assert _put(tier, 1, BIG) is PutStatus.STORED
+        name = tier.object_name(make_key(1))
+        raw = raw_client(endpoint)
+        before = raw.head_object(Bucket=BUCKET, Key=name)["ETag"]
+        first_done = threading.Event()
+        restamped = threading.Lock()
+        state = {"round": 0, "restamped": False}
+        real = tier.io._get_range
+
+        def racing(name_: str, head: memoryview, body: memoryview, start: int, end: int,
+                   etag: str | None) -> Any:
+            if state["round"] == 0:
+                if start == 0:
+                    try:
+                        return real(name_, head, body, start, end, etag)
+                    finally:
+                        first_done.set()
+                assert first_done.wait(30)
+                with restamped:
+                    if not state["restamped"]:  # another node's restamp, between ranges
+                        state["restamped"] = True
+                        raw.copy_object(Bucket=BUCKET, Key=name, MetadataDirective="REPLACE",
+                                        CopySource={"Bucket": BUCKET, "Key": name},
+                                        Metadata={"kvtier-used": "1.0"})
+            return real(name_, head, body, start, end, etag)
+
+        real_read = tier.io.read
+
+        def counted(*a: Any) -> Any:
+            try:
+                return real_read(*a)
+            finally:
+                state["round"] += 1
+
+        tier.io._get_range = racing  # type: ignore[method-assign,assignment]
+        tier.io.read = counted  # type: ignore[method-assign,assignment]
+        got = _get(tier, 1, BIG)
+        assert state["restamped"]
+        changed = raw.head_object(Bucket=BUCKET, Key=name)["ETag"] != before
+        # moto (like AWS) gives the copy a new ETag; RGW keeps a multipart copy's ETag
+        assert state["round"] == (2 if changed else 1), "read again iff the version changed"
+        np.testing.assert_array_equal(got, payload_for(make_key(1), BIG))
+        raw.close()
+    finally:
+        tier.close()
+
+
+def test_transfer_threads_are_daemons(endpoint: str) -> None:
+    """A part transfer stuck in a hung endpoint must not hold the interpreter's exit."""
+    import threading
+
+    tier = _tier(endpoint, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    try:
+        assert _put(tier, 1, BIG) is PutStatus.STORED
+        parts = [t for t in threading.enumerate() if t.name.startswith("kvtier-s3-parts")]
+        assert parts and all(t.daemon for t in parts)
+    finally:
+        tier.close()
