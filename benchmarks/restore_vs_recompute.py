@@ -131,11 +131,7 @@ def measure(engine: LLMWorker, prompt: list[int], lower: Lower | None) -> dict[s
         row[f"{name}_cached"] = r.num_cached_tokens
 
     def reset_all() -> None:
-        for _ in range(50):  # False while a delayed-free save is still in flight
-            if engine.reset_prefix_cache(reset_connector=True):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("reset_prefix_cache kept failing")
+        engine.reset_until_done()  # "not yet" while saves or host writes are in flight
 
     if lower is not None:
         lower.before_prompt()

@@ -90,11 +90,7 @@ class Runner:
         return time.perf_counter() - t0, out
 
     def reset_all(self) -> None:
-        for _ in range(50):  # False while a delayed-free save is still in flight
-            if self.engine.reset_prefix_cache(reset_connector=True):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("reset_prefix_cache kept failing")
+        self.engine.reset_until_done()  # "not yet" while saves or host writes are in flight
 
     def warm_up(self, n: int, max_len: int) -> None:
         """Prefills of varied lengths that neither load nor store: the step model's data."""

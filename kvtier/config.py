@@ -229,8 +229,8 @@ class KVTierConfig(_Model):
     #: the weights may have changed (an RL trainer's weight sync): a new in-memory weights
     #: epoch enters the namespace, so nothing stored before is served again, and the host
     #: tier is emptied, dirty chunks dropped. ``host``: the weights never change in place;
-    #: only the host tier is emptied (dirty chunks written below first, within
-    #: shutdown_flush_seconds) and the lower tiers keep serving (benchmarks use it).
+    #: only the host tier is emptied (dirty chunks queued below; the reset answers "not
+    #: done" until they are written and dropped) and the lower tiers keep serving.
     reset_cache: Literal["weights", "host"] = "weights"
 
     @field_validator("tiers")

@@ -769,29 +769,28 @@ class TieredStore:
             held.release()
 
     # -- life cycle --------------------------------------------------------------------
-    def drop_host(self, flush_budget_s: float | None = None,
-                  clock: Clock = SYSTEM_CLOCK) -> int:
-        """Empty the host tier of every unheld chunk; returns how many were dropped.
+    def drop_host(self) -> int:
+        """``reset_cache: weights``: empty the host tier of every unheld chunk, dirty ones
+        included (never written below: KV computed before a weight sync may not be served
+        after it); returns how many were dropped. Memory only, returns at once. Held chunks
+        (being read or written below right now) stay until their holder is done; lower
+        tiers are kept (other nodes and restarts share them)."""
+        return self.host.delete([meta.key for _, meta in self.host.index.entries()])
 
-        Without ``flush_budget_s`` (``reset_cache: weights``, the default): dirty chunks
-        are dropped too, never written below, and the call is memory only and returns at
-        once. KV computed before a weight sync may not be served after it.
-
-        With ``flush_budget_s`` (``reset_cache: host``: the weights never change in place;
-        benchmarks use it to leave a prompt on the lower tiers only): dirty chunks are
-        written to the write-back tiers first, within the budget (kept if it runs out),
-        then every clean unheld chunk is dropped. Never waits past the budget.
-
-        Held chunks (being read or written below right now) stay until their holder is
-        done; lower tiers are kept either way (other nodes and restarts share them).
-        """
-        if flush_budget_s is not None:
-            deadline = clock.monotonic() + flush_budget_s
-            self.flush(flush_budget_s)  # write-through copies in flight read host slots
-            self.flush_dirty(max(0.0, deadline - clock.monotonic()), clock)
-        keep = self.host.index.dirty_keys() if flush_budget_s is not None else set()
-        return self.host.delete(
-            [meta.key for _, meta in self.host.index.entries() if meta.key not in keep])
+    def empty_host(self) -> tuple[int, bool]:
+        """``reset_cache: host`` (the weights never change in place; benchmarks use it to
+        leave a prompt on the lower tiers only), memory only: drops every clean unheld
+        chunk now and queues every dirty unheld one to the write-back tiers (it turns
+        clean once written, and a later call drops it). Returns ``(dropped, empty)``;
+        ``empty`` once the host tier holds nothing. Until then the caller reports the
+        reset as not done, and vLLM's callers ask again, as they do while a save is in
+        flight. A chunk a down tier cannot take stays, dirty: nothing stored is lost."""
+        if self._back:
+            self._write_back_batch(self.host.index.num_slots, frozenset())
+        dirty = self.host.index.dirty_keys()
+        dropped = self.host.delete(
+            [meta.key for _, meta in self.host.index.entries() if meta.key not in dirty])
+        return dropped, len(self.host.index) == 0
 
     def write_back_some(self, max_n: int, *, older_than: float | None = None) -> int:
         """Queue up to ``max_n`` dirty chunks, most recently used first, to the write-back

@@ -116,30 +116,44 @@ def test_reset_returns_at_once_even_with_a_hung_tier(tmp_path: Path) -> None:
         store.close()
 
 
-def test_reset_host_writes_dirty_chunks_then_empties_the_host_tier(tmp_path: Path) -> None:
-    tier = RecordingTier(tmp_path / "t")
+def test_reset_host_queues_dirty_chunks_and_empties_the_host_tier_once_written(
+    tmp_path: Path,
+) -> None:
+    """``reset_cache: host`` never waits: each call drops what is clean and queues what is
+    dirty, and answers "empty" only once everything is written and dropped."""
+    gate = threading.Event()
+    tier = RecordingTier(tmp_path / "t", gate)
     store = _store(tier)
     try:
         keys = _fill(store, 4)
         held = store.load(store.lookup([keys[0]])).result()  # being copied: kept, still dirty
-        assert store.drop_host(30) == 3
+        t0 = time.monotonic()
+        assert store.empty_host() == (0, False)  # the writes hang: nothing clean to drop yet
+        assert time.monotonic() - t0 < 1.0, "memory only: never waits for the tier"
+        assert store.host.contains_prefix(keys) == 4, "nothing stored is lost"
+        gate.set()
+        store.flush(30)  # (the test waits for the queued writes; the reset never does)
         held.release()
-        assert store.host.contains_prefix(keys) == 1
-        assert tier.contains_prefix(keys[1:]) == 3  # nothing stored was lost
+        dropped, empty = store.empty_host()  # keys[0] was held: queued now
+        assert dropped == 3 and not empty
+        store.flush(30)
+        assert store.empty_host() == (1, True)
+        assert tier.contains_prefix(keys) == 4  # every chunk is below, none in the host
         assert store.lookup(keys).hits == 4
     finally:
+        gate.set()
         store.close()
 
 
-def test_reset_host_keeps_dirty_chunks_it_could_not_write(tmp_path: Path) -> None:
-    gate = threading.Event()
-    store = _store(RecordingTier(tmp_path / "t", gate))
+def test_reset_host_keeps_dirty_chunks_a_failing_tier_cannot_take(tmp_path: Path) -> None:
+    store = _store(RecordingTier(tmp_path / "t", fail=True))
     try:
         keys = _fill(store, 3)
-        assert store.drop_host(0.2) == 0
+        assert store.empty_host() == (0, False)
+        store.flush(30)
+        assert store.empty_host() == (0, False)
         assert store.host.contains_prefix(keys) == 3
     finally:
-        gate.set()
         store.close()
 
 

@@ -110,6 +110,17 @@ def _bytes_view(layer: torch.Tensor) -> torch.Tensor:
     return layer if layer.dtype == torch.uint8 else layer.view(torch.uint8)
 
 
+def _device_ids(block_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``block_ids`` on ``device`` without blocking the host. A pageable host-to-device
+    copy is synchronous: it would wait for every copy queued before it on the stream (the
+    previous step's saves), which is what ``start_load_kv`` must never do. The ids are
+    staged in pinned memory (torch's caching host allocator keeps the buffer until the
+    copy has run) and uploaded asynchronously on the current stream."""
+    if device.type == "cpu":
+        return block_ids
+    return block_ids.pin_memory().to(device, non_blocking=True)
+
+
 def gather_blocks(
     layers: Sequence[torch.Tensor], block_ids: torch.Tensor, dst: torch.Tensor
 ) -> None:
@@ -118,7 +129,7 @@ def gather_blocks(
     if geom.num_ids == 0:
         return
     device = layers[0].device
-    ids = block_ids.to(device)  # NOTE: a small synchronous upload on CUDA
+    ids = _device_ids(block_ids, device)
     for i, layer in enumerate(layers):
         out = dst[i * geom.layer_bytes : (i + 1) * geom.layer_bytes]
         out = out.view(geom.outer, geom.num_ids, geom.inner_bytes)
@@ -136,7 +147,7 @@ def scatter_blocks(
     if geom.num_ids == 0:
         return
     device = layers[0].device
-    ids = block_ids.to(device)
+    ids = _device_ids(block_ids, device)
     for i, layer in enumerate(layers):
         part = src[i * geom.layer_bytes : (i + 1) * geom.layer_bytes]
         part = part.view(geom.outer, geom.num_ids, geom.inner_bytes)

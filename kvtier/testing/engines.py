@@ -306,6 +306,16 @@ class LLMWorker:
         resp = self.request({"op": "reset_prefix_cache", "reset_connector": reset_connector})
         return bool(resp["reset_ok"])
 
+    def reset_until_done(self, timeout_s: float = 60.0) -> None:
+        """vLLM's prefix cache and kvtier's, asked again while either answers "not yet"
+        (a save in flight; with ``reset_cache: host``, dirty or busy host chunks still
+        being written below). Raises if it never completes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.reset_prefix_cache(reset_connector=True):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"reset_prefix_cache did not complete in {timeout_s} s")
+            time.sleep(0.05)  # polling another process
+
     def ping(self, timeout_s: float = 30.0) -> None:
         self.request({"op": "ping"}, timeout_s)
 

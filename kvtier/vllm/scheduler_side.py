@@ -642,18 +642,20 @@ class SchedulerSide:
         epoch's keys again, and after a restart epoch 0 means the weights on disk again).
         Memory only: returns at once.
 
-        ``reset_cache: host``: only the host tier is emptied, dirty chunks written below
-        first (bounded by ``shutdown_flush_seconds``); what the lower tiers hold is still
-        served.
+        ``reset_cache: host``: only the host tier is emptied; what the lower tiers hold is
+        still served. Dirty chunks are queued to the write-back tiers, never waited for:
+        the reset answers False (vLLM's "not done, ask again", as while a save is in
+        flight) until they are written and dropped. Memory only: returns at once.
         """
         for rid in list(self._lookups):
             self._forget(rid)
         self._probes.clear()
         self._waiting.clear()
         if self.cfg.reset_cache == "host":
-            n = self.store.drop_host(self.cfg.shutdown_flush_seconds)
-            log.info("kvtier: reset dropped %d host chunks", n)
-            return True
+            n, empty = self.store.empty_host()
+            log.info("kvtier: reset dropped %d host chunks%s", n,
+                     "" if empty else "; dirty or busy chunks remain (written, then dropped)")
+            return empty
         self.identities.bump_epoch()  # cached keys are rebuilt (_Keys.epoch)
         if self.role != "both":
             log.warning("kvtier: %s node: after this weights reset it shares KV with no "

@@ -123,3 +123,27 @@ def test_handle_reports_completion(target: Target) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: the CUDA targets did not run")
 def test_cuda_suite_present() -> None:
     assert torch.cuda.device_count() > 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_reference_ops_on_cuda_never_wait_for_earlier_copies_on_the_stream() -> None:
+    """The torch backend (``copy_backend: auto`` without the extension) uploads block ids
+    asynchronously: a scatter issued behind a long kernel returns while the kernel runs
+    (a pageable upload would wait for it, blocking ``start_load_kv`` on the last step)."""
+    from kvtier.ops import reference
+    from kvtier.ops.reference import alloc_pinned
+
+    layers = [torch.zeros(2, 64, 256, device="cuda") for _ in range(2)]
+    view = [t.view(torch.uint8) for t in layers]
+    ids = torch.tensor([3, 9, 17], dtype=torch.int64)
+    chunk, _ = alloc_pinned(2 * 2 * 3 * 256 * 4)
+    chunk.fill_(7)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call] # ~1 s of GPU time on this stream
+        reference.scatter_blocks(chunk, view, ids)
+        reference.gather_blocks(view, ids, chunk)
+        busy = not stream.query()
+    stream.synchronize()
+    assert busy, "the host waited for the stream"
+    assert torch.all(view[0][:, 3] == 7) and torch.all(view[1][:, 17] == 7)

@@ -107,7 +107,7 @@ def test_corrupt_object_on_disk_means_recompute(fp32: LLMWorker, shared_store: P
     ref = reference(fp32, p, "ref-corrupt")
     before = set(shared_store.rglob("*.kv"))
     fp32.generate([p], max_tokens=OUT)
-    assert fp32.reset_prefix_cache(reset_connector=True)  # host tier dropped, disk kept
+    fp32.reset_until_done()  # host tier dropped, disk kept
     new = sorted(set(shared_store.rglob("*.kv")) - before)
     assert new, "the prompt's chunks were written through to disk"
     for f in new:
@@ -128,7 +128,7 @@ def test_restart_restores_from_disk(engine_factory: EngineFactory, fp32: LLMWork
     p = tokens(900, seed=61)
     ref = reference(fp32, p, "ref-restart")
     fp32.generate([p], max_tokens=OUT)  # written through to the shared directory
-    fp32.reset_prefix_cache(reset_connector=True)  # waits for the write-through to land
+    fp32.reset_until_done()  # the write-through has landed once it completes
     cfg = write_config(
         tmp_path_factory.mktemp("cfg") / "restart.yaml",
         [{"file": {"path": str(shared_store), "capacity": "1GiB"}}],
@@ -164,7 +164,7 @@ def test_other_dtype_gets_no_hit(fp32: LLMWorker, bf16: LLMWorker) -> None:
     """The same tokens stored by the fp32 engine are invisible to the bf16 engine."""
     p = tokens(900, seed=81)
     fp32.generate([p], max_tokens=OUT)
-    fp32.reset_prefix_cache(reset_connector=True)
+    fp32.reset_until_done()
     r = bf16.generate([p], max_tokens=OUT, reset_prefix_cache=True).outputs[0]
     assert restored(r) == 0
 
@@ -198,7 +198,7 @@ def test_one_lower_tier_on_a_storage_server(
     eng = engine_factory(tiny_fp32, cfg, enable_prefix_caching=False)
     p = tokens(900, seed=91)
     first = eng.generate([p], max_tokens=OUT).outputs[0]
-    assert eng.reset_prefix_cache(reset_connector=True)  # only the lower tier holds it now
+    eng.reset_until_done()  # only the lower tier holds it now
     r = eng.generate([p], max_tokens=OUT).outputs[0]
     assert restored(r) >= 768
     assert tiers_used(r) == {name}
