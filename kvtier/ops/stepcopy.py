@@ -116,7 +116,9 @@ class StepCopier:
 
     backend: Batches
     views: Sequence[torch.Tensor]
-    pool: torch.Tensor  # 1-D uint8, host memory
+    #: uint8 host memory: 1-D (slot after slot), or 2-D ``(num_slots, slot_bytes)`` rows of
+    #: a wider pool (a TP rank's range of every shared slot; each row is contiguous)
+    pool: torch.Tensor
     slot_bytes: int
     blocks_per_chunk: int
     issue: Issue
@@ -130,6 +132,10 @@ class StepCopier:
         return self.views[0].device
 
     def slot(self, slot: int) -> torch.Tensor:
+        if self.pool.dim() == 2:
+            if not 0 <= slot < self.pool.shape[0]:
+                raise IndexError(f"host slot {slot} is outside the pool")
+            return self.pool[slot]
         if not 0 <= slot < self.pool.numel() // self.slot_bytes:
             raise IndexError(f"host slot {slot} is outside the pool")
         return self.pool[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]

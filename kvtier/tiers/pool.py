@@ -183,18 +183,31 @@ class HostPool:
         return pool
 
     @classmethod
-    def attach_shm(cls, path: Path, slot_bytes: int, num_slots: int) -> HostPool:
+    def attach_shm(
+        cls, path: Path, slot_bytes: int, num_slots: int, *, unlink: bool = True,
+        pinned: PinMode = "no",
+    ) -> HostPool:
         """Map the shared pool another process created with ``create_shm`` and the same
-        ``slot_bytes`` and ``num_slots``; its name is unlinked once mapped.
+        ``slot_bytes`` and ``num_slots``; with ``unlink`` (the last process to attach)
+        its name is removed once mapped.
 
         ``FileNotFoundError`` if it does not exist (the caller knows who should have
-        created it); ``TierError`` naming both sizes if it has another size. ``pinned``
-        is False: page-locking is per process, and this one did none."""
+        created it); ``TierError`` naming both sizes if it has another size. Page-locking
+        is per process: ``pinned`` as for ``create_shm`` (another TP rank's worker copies
+        to and from the GPU too; the scheduler process does not, and pins nothing)."""
         try:
-            mm = attach_shared(path, num_slots * slot_bytes)
+            mm = attach_shared(path, num_slots * slot_bytes, unlink=unlink)
         except HostMemoryError as e:
             raise TierError(f"kvtier: {e}") from e
-        return cls(mm, slot_bytes, num_slots, pinned=False)
+        locked = False
+        if pinned != "no":
+            try:
+                locked = register_pinned(mm, owner=mm)
+            except RuntimeError as e:
+                raise TierError(f"tiers[0].host.pinned: {e}; use pinned: no") from e
+            if pinned == "yes" and not locked:
+                raise TierError(PINNED_UNAVAILABLE)
+        return cls(mm, slot_bytes, num_slots, pinned=locked)
 
     def _log(self, kind: str) -> None:
         log.info(

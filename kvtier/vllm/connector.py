@@ -20,8 +20,16 @@ and with it the scheduler-side connector, is constructed. The worker creates the
 host pool and publishes what only it sees of the KV bytes next to it (``PhysicalKV``:
 the layout of the tensors it registered, the fp8 k/v scales of its attention layers;
 ``shm.publish_physical``); the scheduler-side constructor reads that
-(``shm.read_physical``) and only then builds the engine's namespace, from which every
+(``shm.read_all_physical``) and only then builds the engine's namespace, from which every
 key is made. The worker never builds a namespace (nor hashes the weights).
+
+Tensor parallel: every rank's worker connector registers its own KV caches (its share of
+the heads). One host pool serves the engine; a slot holds every rank's part of a chunk,
+rank after rank, and each worker copies only its own (``WorkerSide.register``). vLLM's
+``KVOutputAggregator`` reports a request's save finished only once every rank has; a
+step's loads complete when every rank says so (``KVTierWorkerMetadata.loaded_steps``
+counts ranks), and a save any rank failed is never committed. Pipeline and context
+parallel are refused.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.metrics import drain_export, enable_export, record_failed_loads, record_worker_step
+from kvtier.tiers.base import TierError
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -48,7 +57,7 @@ from kvtier.vllm.geometry import (
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import parse_extra_config
-from kvtier.vllm.shm import pool_path, publish_physical, read_physical
+from kvtier.vllm.shm import pool_path, publish_physical, read_all_physical
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
 
@@ -73,6 +82,28 @@ def _share_vllm_logging() -> None:
         ours.propagate = False
 
 
+def check_parallel_config(pc: Any) -> None:
+    """Tensor parallel is supported; the other ways of splitting a model are refused, with
+    the setting to change (``TierError``)."""
+    for name, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
+                       ("decode_context_parallel_size", "--decode-context-parallel-size"),
+                       ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        n = int(getattr(pc, name, 1) or 1)
+        if n != 1:
+            raise TierError(
+                f"kvtier supports tensor parallel only: {name} is {n} (each rank would hold "
+                f"another part of the layers or tokens, which kvtier's slots do not "
+                f"describe). Use {flag} 1, or run without kvtier"
+            )
+
+
+def _tp_barrier() -> Any:
+    """The TP group's barrier (every rank's worker calls it once, in register_kv_caches)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().barrier
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -81,20 +112,13 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ValueError("KVTierConnector needs vLLM >= 0.11 (kv_cache_config argument)")
         settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         cfg = settings.config
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
-        if tp != 1 or pp != 1:
-            raise NotImplementedError(
-                f"kvtier supports tensor_parallel_size 1 and pipeline_parallel_size 1 for "
-                f"now (got {tp} and {pp}); per-rank pools are on the roadmap "
-                "(docs/architecture.md)"
-            )
-        geometry = geometry_from_kv_cache_config(kv_cache_config)
+        check_parallel_config(vllm_config.parallel_config)
+        self._tp_rank, tp_world = tp_placement(vllm_config)
+        geometry = geometry_from_kv_cache_config(kv_cache_config, tp_world)
         geometry.blocks_per_chunk(cfg.chunk_tokens)  # fail early on a bad chunk size
         check_kv_scales_config(vllm_config.cache_config)
         self._engine_id = str(self._kv_transfer_config.engine_id)
-        self._tp_rank = tp_placement(vllm_config)[0]
-        self._pool_path = path = pool_path(self._engine_id, self._tp_rank)
+        self._pool_path = path = pool_path(self._engine_id)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._step_blocks: tuple[int, int] | None = None  # worker: (loaded, saved) this step
@@ -102,8 +126,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # The worker registered its KV caches (and published this) before vLLM
             # constructs the scheduler; see the module docstring.
-            physical = read_physical(path, engine_id=self._engine_id, tp_rank=self._tp_rank,
-                                     slot_bytes=geometry.chunk_bytes(cfg.chunk_tokens))
+            physical = read_all_physical(path, engine_id=self._engine_id, tp_world=tp_world,
+                                         slot_bytes=geometry.chunk_bytes(cfg.chunk_tokens))
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
@@ -167,7 +191,8 @@ class KVTierConnector(KVConnectorBase_V1):
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         # Before the pool exists: a refused scale setting leaves nothing behind.
         scales = kv_scales_digest([(n, ctx[n]) for n in w.layer_names], cache_dtype)
-        w.register(kv_caches, backend_cls, layout, num_blocks)
+        w.register(kv_caches, backend_cls, layout, num_blocks, tp_rank=self._tp_rank,
+                   barrier=_tp_barrier() if w.tp_world > 1 else None)
         assert w.layout is not None  # resolved by register()
         physical = PhysicalKV(describe_layout(backend_cls, name, w.layout), cache_dtype, scales)
         publish_physical(self._pool_path, physical, engine_id=self._engine_id,
@@ -200,7 +225,8 @@ class KVTierConnector(KVConnectorBase_V1):
         Saves are not waited for: ``get_finished`` reports each once it is done."""
         seconds = self.worker_side.end_forward()
         if self._step_blocks is not None:
-            record_worker_step(*self._step_blocks, seconds)
+            if self._tp_rank == 0:  # every rank copies the same blocks: count them once
+                record_worker_step(*self._step_blocks, seconds)
             self._step_blocks = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -208,7 +234,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.worker_side.load_errors() if self._worker is not None else set()
-        if errors:
+        if errors and self._tp_rank == 0:  # vLLM takes the union over ranks
             record_failed_loads(len(errors))
         return errors
 

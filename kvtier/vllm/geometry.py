@@ -58,8 +58,11 @@ class Geometry:
     num_kv_heads: int
     head_size: int
     block_size: int
-    page_bytes: int  # one block of one layer
+    page_bytes: int  # one block of one layer, on one TP rank
     kv_dtype: str
+    #: TP ranks whose bytes a chunk holds, one after the other (rank 0 first); each rank
+    #: has ``num_kv_heads`` of the model's heads
+    tp_world: int = 1
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
         if chunk_tokens % self.block_size:
@@ -69,8 +72,13 @@ class Geometry:
             )
         return chunk_tokens // self.block_size
 
-    def chunk_bytes(self, chunk_tokens: int) -> int:
+    def rank_chunk_bytes(self, chunk_tokens: int) -> int:
+        """One TP rank's part of a chunk: what one worker copies."""
         return self.num_layers * self.page_bytes * self.blocks_per_chunk(chunk_tokens)
+
+    def chunk_bytes(self, chunk_tokens: int) -> int:
+        """A whole chunk, every rank's part: a host slot, one object in every tier."""
+        return self.tp_world * self.rank_chunk_bytes(chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -87,18 +95,29 @@ class PhysicalKV:
     kv_scales: str
 
 
-def geometry_from_kv_cache_config(kv_cache_config: Any) -> Geometry:
-    """The geometry of a single-group, full-attention ``KVCacheConfig``."""
+def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Geometry:
+    """The geometry of a single-group, full-attention ``KVCacheConfig`` (this rank's
+    heads; ``tp_world`` ranks of them make a chunk). ``TierError`` naming the model's
+    shape and what to do for any other: kvtier knows which blocks of full-attention
+    layers hold a prefix; for other specs (a sliding window's out-of-window blocks are
+    vLLM's null block, MLA's latent is one copy on every rank) it would store or restore
+    the wrong bytes."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         raise TierError(
             f"kvtier supports models with one KV cache group (full attention); this model "
-            f"has {len(groups)} (hybrid or sliding-window layers)"
+            f"has {len(groups)} ({', '.join(kinds)}). vLLM's hybrid KV cache manager is "
+            "off with kvtier loaded, so this is a model whose layers cannot share one "
+            "group (e.g. Mamba/linear attention layers); run it without kvtier"
         )
     spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind != "FullAttentionSpec":
+        raise TierError(_SPEC_REFUSED.get(kind, _SPEC_OTHER).format(kind=kind))
     for attr in ("num_kv_heads", "head_size", "block_size", "page_size_bytes", "dtype"):
         if not hasattr(spec, attr):
-            raise TierError(f"kvtier cannot store KV of {type(spec).__name__} layers")
+            raise TierError(f"kvtier cannot store KV of {kind} layers (no {attr})")
     return Geometry(
         num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),
@@ -106,7 +125,30 @@ def geometry_from_kv_cache_config(kv_cache_config: Any) -> Geometry:
         block_size=int(spec.block_size),
         page_bytes=int(spec.page_size_bytes),
         kv_dtype=str(spec.dtype).removeprefix("torch."),
+        tp_world=tp_world,
     )
+
+
+_SPEC_OTHER = (
+    "kvtier supports full-attention KV caches (FullAttentionSpec); this model's KV cache "
+    "is {kind}, whose blocks kvtier would store or restore wrongly. Run it without kvtier"
+)
+_SPEC_REFUSED = {
+    "SlidingWindowSpec": (
+        "kvtier does not support a model whose layers are all sliding-window ({kind}): "
+        "vLLM replaces out-of-window blocks with its null block, which kvtier would store "
+        "as the prefix. Start vLLM with --disable-sliding-window (full attention, "
+        "max_model_len capped at the window), or run without kvtier"
+    ),
+    "ChunkedLocalAttentionSpec": (
+        "kvtier does not support a model whose layers are all chunked-local attention "
+        "({kind}): out-of-chunk blocks are vLLM's null block. Run it without kvtier"
+    ),
+    "MLAAttentionSpec": (
+        "kvtier does not support MLA models yet ({kind}: one latent KV per token, "
+        "replicated on every TP rank); run this model without kvtier"
+    ),
+}
 
 
 def tp_placement(vllm_config: Any) -> tuple[int, int]:

@@ -35,7 +35,14 @@ class KVTierMetadata(KVConnectorMetadata):
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Steps whose loads the worker finished, saves that failed, and the step this
     output belongs to (``KVTierMetadata.step`` of the step the worker ran; 0: none ran),
-    by which the scheduler pairs an output with the step it timed."""
+    by which the scheduler pairs an output with the step it timed.
+
+    At TP > 1 vLLM folds the ranks' metadata with ``aggregate`` into one per step and
+    counts nothing: ``loaded_steps`` is a multiset (a step appears once per rank that
+    finished its loads; the scheduler releases the step's host slots only once it has
+    counted every rank, over as many outputs as that takes), ``failed_saves`` a union
+    (the scheduler keeps a failure until vLLM reports that request's save finished on
+    every rank)."""
 
     loaded_steps: list[int] = field(default_factory=list)
     failed_saves: list[str] = field(default_factory=list)
@@ -44,7 +51,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(
-            sorted(set(self.loaded_steps) | set(other.loaded_steps)),
+            sorted(self.loaded_steps + other.loaded_steps),
             sorted(set(self.failed_saves) | set(other.failed_saves)),
             max(self.step, other.step),
         )

@@ -179,6 +179,8 @@ class SchedulerSide:
         self._load_holds: list[Held] = []
         self._to_save: list[CopyOp] = []
         self._holds_by_step: dict[int, list[Held]] = {}
+        self._load_acks: dict[int, int] = {}  # step -> ranks that reported its loads done
+        self._failed_saves: set[str] = set()  # a rank failed the save; not finished yet
         self._restored: dict[str, tuple[dict[str, int], float]] = {}
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
@@ -246,7 +248,11 @@ class SchedulerSide:
 
     def _spec(self, ns: bytes) -> ChunkSpec:
         """What every chunk of a request with namespace digest ``ns`` must be, exactly."""
-        shape = (self.geom.num_layers, self.bpc, self.geom.page_bytes)
+        # every TP rank's part, rank after rank (one rank: the pre-TP shape, so objects
+        # stored before TP support stay readable)
+        shape: tuple[int, ...] = (self.geom.num_layers, self.bpc, self.geom.page_bytes)
+        if self.geom.tp_world > 1:
+            shape = (self.geom.tp_world, *shape)
         return ChunkSpec(ns, self.ct, self.geom.kv_dtype, shape, self.slot_bytes)
 
     def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
@@ -602,21 +608,30 @@ class SchedulerSide:
         return meta
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
-        failed: set[str] = set()
         if isinstance(worker_meta, KVTierWorkerMetadata):
             if self.step_timer is not None:
                 self.step_timer.done(worker_meta.step)
             for step in worker_meta.loaded_steps:
+                # every rank reads the step's slots: release them after the last one
+                acks = self._load_acks.get(step, 0) + 1
+                if acks < self.geom.tp_world:
+                    self._load_acks[step] = acks
+                    continue
+                self._load_acks.pop(step, None)
                 for held in self._holds_by_step.pop(step, []):
                     held.release()
-            failed = set(worker_meta.failed_saves)
+            # a rank's failure comes with its own report; the save is finished (below)
+            # only once every rank has reported it, possibly steps later
+            self._failed_saves.update(r for r in worker_meta.failed_saves if r in self._saves)
         for rid in finished_sending or ():
             save = self._saves.pop(rid, None)
+            failed = rid in self._failed_saves
+            self._failed_saves.discard(rid)
             if save is None:
                 continue
             lost: list[ChunkKey] = []
             for slot, meta in save.slots:
-                if rid in failed:
+                if failed:
                     self.store.abort(slot)
                 elif not self.store.commit(slot, meta):
                     lost.append(meta.key)  # a backup another save beat to it

@@ -6,15 +6,23 @@ runs ``_initialize_kv_caches``, whose ``initialize_from_config`` reaches every w
 ``register_kv_caches``, before it creates the ``Scheduler`` and with it the scheduler-side
 connector). So the worker creates the pool (it owns the bytes it copies) and the scheduler
 attaches to it by name (it owns the index and the lower-tier I/O). The name is derived
-from the engine id and TP rank, which both processes read from the same ``VllmConfig``
-(vLLM draws a unique ``engine_id`` when none is set). Both sides hold it as a ``HostPool``
-of the same ``slot_bytes`` and ``num_slots`` (``HostPool.slots_for`` of the same
-capacity): the worker's from ``HostPool.create_shm``, the scheduler's from
+from the engine id, which every process reads from the same ``VllmConfig`` (vLLM draws a
+unique ``engine_id`` when none is set, and broadcasts it to every rank).
+
+*Tensor parallel.* One pool per engine: a slot holds every rank's bytes of a chunk, rank
+after rank. TP rank 0's worker creates it; after a barrier of the TP group the other
+ranks' workers attach without unlinking it (``HostPool.attach_shm(unlink=False)``); the
+scheduler attaches last and unlinks the name. Each worker copies only its own range.
+
+Every process holds it as a ``HostPool`` of the same ``slot_bytes`` and ``num_slots``
+(``HostPool.slots_for`` of the same capacity): rank 0's worker's from
+``HostPool.create_shm``, the others' from ``HostPool.attach_shm``, the scheduler's from
 ``attach_host_pool``. The memory itself is ``kvtier.hostmem``'s.
 
-Next to the pool the worker publishes a ``PhysicalKV`` (``publish_physical``): the KV
-layout its tensors really have and the digest of its fp8 k/v scales, which only the
-worker can see and which the scheduler's namespace must cover (``read_physical``).
+Next to the pool each rank's worker publishes a ``PhysicalKV`` (``publish_physical``,
+one file per rank): the KV layout its tensors really have and the digest of its fp8 k/v
+scales, which only the worker can see and which the scheduler's namespace must cover
+(``read_physical``, for every rank).
 
 Invariants:
 
@@ -36,6 +44,7 @@ Thread safety: stateless; call from the thread that builds or closes a side.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -54,6 +63,7 @@ __all__ = [
     "pool_path",
     "publish_physical",
     "published_path",
+    "read_all_physical",
     "read_physical",
     "remove_pool",
     "remove_published",
@@ -66,9 +76,10 @@ PUBLISHED_VERSION = 1
 _MAX_PUBLISHED = 64 * 1024
 
 
-def pool_path(engine_id: str, tp_rank: int) -> Path:
+def pool_path(engine_id: str) -> Path:
+    """The engine's one host pool (every TP rank's bytes in each slot)."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return SHM_DIR / f"kvtier-{safe}-rank{tp_rank}"
+    return SHM_DIR / f"kvtier-{safe}"
 
 
 def attach_host_pool(path: Path, slot_bytes: int, num_slots: int) -> HostPool:
@@ -89,9 +100,9 @@ def _no_worker(path: Path) -> str:
 
 
 # -- what the worker publishes -----------------------------------------------------------
-def published_path(pool: Path) -> Path:
-    """Where the worker publishes its ``PhysicalKV``: next to the pool file."""
-    return pool.with_name(pool.name + ".kv.json")
+def published_path(pool: Path, tp_rank: int = 0) -> Path:
+    """Where TP rank ``tp_rank``'s worker publishes its ``PhysicalKV``: next to the pool."""
+    return pool.with_name(f"{pool.name}.rank{tp_rank}.kv.json")
 
 
 def _pool_id(pool: Path) -> list[int]:
@@ -116,7 +127,7 @@ def publish_physical(
         "kv_scales": physical.kv_scales,
     }
     data = json.dumps(doc, sort_keys=True).encode()
-    final = published_path(pool)
+    final = published_path(pool, tp_rank)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(tmp, CREATE_FLAGS, 0o600)
     try:
@@ -139,7 +150,7 @@ def read_physical(pool: Path, *, engine_id: str, tp_rank: int, slot_bytes: int) 
     engine, rank, pool file or chunk size. The file is removed once read (it is read once
     per engine start; nothing is left behind).
     """
-    path = published_path(pool)
+    path = published_path(pool, tp_rank)
     try:
         fd = open_regular(path)
     except FileNotFoundError:
@@ -175,8 +186,31 @@ def read_physical(pool: Path, *, engine_id: str, tp_rank: int, slot_bytes: int) 
             f"kvtier: {path} describes another host pool file than {pool} (left over from an "
             "earlier engine?); remove both and restart the engine"
         )
-    remove_published(pool)
+    remove_published(pool, tp_rank)
     return PhysicalKV(doc["kv_layout"], doc["kv_cache_dtype"], doc["kv_scales"])
+
+
+def read_all_physical(
+    pool: Path, *, engine_id: str, tp_world: int, slot_bytes: int
+) -> PhysicalKV:
+    """Scheduler: every rank's ``PhysicalKV`` (``read_physical``), as one. The ranks of an
+    engine build their caches alike, so their layouts and cache dtypes must agree
+    (``TierError`` otherwise); the scales digest covers every rank's scales, in rank
+    order (rank 0's alone at TP 1)."""
+    ranks = [read_physical(pool, engine_id=engine_id, tp_rank=r, slot_bytes=slot_bytes)
+             for r in range(tp_world)]
+    first = ranks[0]
+    for r, other in enumerate(ranks[1:], 1):
+        if (other.kv_layout, other.kv_cache_dtype) != (first.kv_layout, first.kv_cache_dtype):
+            raise TierError(
+                f"kvtier: TP rank {r} registered KV caches as {other.kv_layout} "
+                f"({other.kv_cache_dtype}) but rank 0 as {first.kv_layout} "
+                f"({first.kv_cache_dtype}); every rank must use one attention backend"
+            )
+    if tp_world == 1:
+        return first
+    scales = hashlib.sha256("|".join(p.kv_scales for p in ranks).encode()).hexdigest()[:32]
+    return PhysicalKV(first.kv_layout, first.kv_cache_dtype, scales)
 
 
 def _parse(path: Path, raw: bytes) -> dict[str, Any]:
@@ -190,7 +224,7 @@ def _parse(path: Path, raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def remove_published(pool: Path) -> None:
-    """Unlink the published file of ``pool``; a name already gone is fine."""
+def remove_published(pool: Path, tp_rank: int = 0) -> None:
+    """Unlink rank ``tp_rank``'s published file of ``pool``; a name already gone is fine."""
     with contextlib.suppress(FileNotFoundError):
-        published_path(pool).unlink()
+        published_path(pool, tp_rank).unlink()

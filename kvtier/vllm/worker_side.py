@@ -71,8 +71,11 @@ class WorkerSide:
         self._issue = issue
         self.views: list[torch.Tensor] = []
         self.layout: KVLayout | None = None  # as resolved by register()
-        self.slot_bytes = 0
+        self.slot_bytes = 0  # a whole slot: every TP rank's part
+        self.rank_bytes = 0  # this rank's part of a slot
+        self.tp_rank, self.tp_world = 0, geometry.tp_world
         self.host_pool: HostPool | None = None
+        self._created = False  # this worker created the pool (and removes its name)
         self.pool: torch.Tensor | None = None
         self._copier: StepCopier | None = None
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -101,7 +104,14 @@ class WorkerSide:
         backend_cls: Any,
         kv_cache_layout: Any,
         num_blocks: int,
+        *,
+        tp_rank: int = 0,
+        barrier: Any = None,
     ) -> None:
+        """Resolve the KV layout and map the host pool. At TP > 1 (``geometry.tp_world``)
+        rank 0 creates the pool, ``barrier()`` (the TP group's, on every rank) orders
+        that before the other ranks attach, and this rank copies only its part of each
+        slot (``rank_bytes`` at offset ``tp_rank * rank_bytes``)."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise TierError(f"kvtier: KV caches missing for layers {missing[:3]}")
@@ -117,29 +127,46 @@ class WorkerSide:
         )
         self.layout = layout
         self.views = [layout.block_view(kv_caches[n]) for n in self.layer_names]
-        self.slot_bytes = layout.chunk_bytes(len(self.views), self.bpc)
-        expected = self.geom.chunk_bytes(self.cfg.chunk_tokens)
-        if self.slot_bytes != expected:
+        self.rank_bytes = layout.chunk_bytes(len(self.views), self.bpc)
+        expected = self.geom.rank_chunk_bytes(self.cfg.chunk_tokens)
+        if self.rank_bytes != expected:
             raise TierError(
-                f"kvtier: the KV tensors give {self.slot_bytes}-byte chunks but the KV cache "
+                f"kvtier: the KV tensors give {self.rank_bytes}-byte chunks but the KV cache "
                 f"spec says {expected}; this attention backend's layout is not supported"
             )
+        if not 0 <= tp_rank < self.tp_world:
+            raise TierError(f"kvtier: TP rank {tp_rank} outside a world of {self.tp_world}")
+        self.tp_rank = tp_rank
+        self.slot_bytes = self.rank_bytes * self.tp_world
         num_slots = HostPool.slots_for(self.cfg.host.capacity, self.slot_bytes)
         # Sized, faulted in and page-locked as configured (`pinned: yes` fails here); the
         # scheduler side maps the same file with HostPool.attach_shm and the same count.
-        self.host_pool = HostPool.create_shm(
-            self.pool_path, self.slot_bytes, num_slots, pinned=self.cfg.host.pinned
-        )
-        self.pool = torch.from_numpy(self.host_pool.array)  # the same mapping, no copy
+        if tp_rank == 0:
+            self.host_pool = HostPool.create_shm(
+                self.pool_path, self.slot_bytes, num_slots, pinned=self.cfg.host.pinned
+            )
+            self._created = True
+        if barrier is not None:
+            barrier()  # every rank: rank 0's pool exists before the others attach
+        if tp_rank != 0:
+            self.host_pool = HostPool.attach_shm(
+                self.pool_path, self.slot_bytes, num_slots, unlink=False,
+                pinned=self.cfg.host.pinned,
+            )
+        assert self.host_pool is not None
+        whole = torch.from_numpy(self.host_pool.array)  # the same mapping, no copy
+        # this rank's part of every slot: rows of rank_bytes, each contiguous
+        self.pool = whole.view(num_slots, self.tp_world, self.rank_bytes)[:, tp_rank]
         pinned = self.host_pool.pinned
         issue = self._issue
         if issue is None:
             issue = default_issue(self.views[0].device, len(self.views))
-        self._copier = StepCopier(self._batches, self.views, self.pool, self.slot_bytes,
+        self._copier = StepCopier(self._batches, self.views, self.pool, self.rank_bytes,
                                   self.bpc, issue)
         log.info(
-            "kvtier worker: %d layers, %d slots of %.1f MiB (%s), copy backend %s (%s)",
-            len(self.views), num_slots, self.slot_bytes / 2**20,
+            "kvtier worker: %d layers, %d slots of %.1f MiB (TP rank %d of %d), %s, copy "
+            "backend %s (%s)",
+            len(self.views), num_slots, self.slot_bytes / 2**20, tp_rank, self.tp_world,
             "pinned" if pinned else "pageable", self.backend.name, self.backend.reason,
         )
 
@@ -283,10 +310,12 @@ class WorkerSide:
     def close(self) -> None:
         """Remove the shared pool's name, only if this worker created it (a worker whose
         create failed, e.g. another engine with the same ``engine_id`` holds the name,
-        must not remove that engine's pool)."""
-        if self.host_pool is not None:
+        must not remove that engine's pool). Every rank removes its own published file
+        (the scheduler removes it once read)."""
+        if self._created:
             remove_pool(self.pool_path)
-            remove_published(self.pool_path)  # the scheduler removes it once read
+        if self.host_pool is not None:
+            remove_published(self.pool_path, self.tp_rank)
 
 
 def forward_runs_layer_by_layer(forward_context: Any) -> bool:

@@ -339,9 +339,8 @@ def test_a_layout_published_by_another_engine_is_refused(
     theirs, ours = engines(), engines()
     theirs.start_worker()
     ours.start_worker()
-    mine = shm.published_path(shm.pool_path(ours.vllm_config.kv_transfer_config.engine_id, 0))
-    other = shm.published_path(shm.pool_path(theirs.vllm_config.kv_transfer_config.engine_id,
-                                              0))
+    mine = shm.published_path(shm.pool_path(ours.vllm_config.kv_transfer_config.engine_id))
+    other = shm.published_path(shm.pool_path(theirs.vllm_config.kv_transfer_config.engine_id))
     other.replace(mine)
     with pytest.raises(TierError, match=r"engine_id .* written by another engine"):
         ours.start_scheduler()
@@ -350,7 +349,7 @@ def test_a_layout_published_by_another_engine_is_refused(
 def test_a_layout_of_an_earlier_pool_file_is_refused(engines: Callable[..., Engine]) -> None:
     e = engines()
     e.start_worker()
-    pool = shm.pool_path(e.vllm_config.kv_transfer_config.engine_id, 0)
+    pool = shm.pool_path(e.vllm_config.kv_transfer_config.engine_id)
     kept = pool.with_name("kept")
     pool.rename(kept)
     kept.with_name("copy").write_bytes(kept.read_bytes())
@@ -364,7 +363,7 @@ def test_a_symlink_in_place_of_the_layout_is_not_followed(
 ) -> None:
     e = engines()
     e.start_worker()
-    published = shm.published_path(shm.pool_path(e.vllm_config.kv_transfer_config.engine_id, 0))
+    published = shm.published_path(shm.pool_path(e.vllm_config.kv_transfer_config.engine_id))
     published.rename(tmp_path / "real.json")
     published.symlink_to(tmp_path / "real.json")
     with pytest.raises(TierError, match="not a regular file"):
@@ -386,7 +385,7 @@ def test_a_planted_symlink_at_the_pool_name_is_not_followed(
 ) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    shm.pool_path("planted", 0).symlink_to(victim)
+    shm.pool_path("planted").symlink_to(victim)
     with pytest.raises(TierError, match="symbolic link"):
         engines(engine_id="planted").start_worker()
     assert victim.read_bytes() == b"keep"
@@ -395,6 +394,6 @@ def test_a_planted_symlink_at_the_pool_name_is_not_followed(
 def test_the_published_file_is_removed_once_read(engines: Callable[..., Engine]) -> None:
     e = engines()
     e.start()
-    pool = shm.pool_path(e.vllm_config.kv_transfer_config.engine_id, 0)
+    pool = shm.pool_path(e.vllm_config.kv_transfer_config.engine_id)
     assert not shm.published_path(pool).exists() and not pool.exists()
     assert not list(shm.SHM_DIR.iterdir()), "no temp file left behind"
