@@ -233,14 +233,19 @@ def start_servers(stack: ExitStack, work: Path, paths: list[str],
 
 
 def ladder(work: Path, model: Path, lengths: list[int],
-           lower: Lower | None) -> list[dict[str, Any]]:
-    """One engine with host and ``lower`` below it; one row per prompt length."""
+           lower: Lower | None, tp: int = 1) -> list[dict[str, Any]]:
+    """One engine with host and ``lower`` below it; one row per prompt length. ``tp``
+    ranks (``tensor_parallel_size``), each bound to its own core."""
     name = "host" if lower is None else lower.path
     cfg = tier_yaml(work / f"kvtier-{name}.yaml", lower)
     print(f"model {model}; starting vLLM with host + {name} ...", flush=True)
+    par: dict[str, Any] = {}
+    if tp > 1:
+        par = {"tensor_parallel_size": tp,
+               "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))}}
     with LLMWorker(work / f"engine-{name}", model=str(model), max_model_len=max(lengths) + 64,
                    enable_prefix_caching=True, kv_cache_gib=2,
-                   kv_transfer_config=kv_transfer_config(cfg)) as engine:
+                   kv_transfer_config=kv_transfer_config(cfg), **par) as engine:
         print(f"engine up in {engine.startup_s:.0f} s", flush=True)
         engine.generate([tokens(300, seed=1)], max_tokens=1)  # warm-up, not measured
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
@@ -279,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor_parallel_size (one core per rank: VLLM_CPU_OMP_THREADS_BIND)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     asked = set(args.tiers.split(","))
@@ -295,14 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         model = preset_model(args.preset, args.cache_dir, model=args.model)
         lowers, servers = start_servers(stack, work, paths, args.s3_endpoint)
         chain: list[Lower | None] = [*lowers] or [None]
-        runs = [ladder(work, model, lengths, lower) for lower in chain]
+        runs = [ladder(work, model, lengths, lower, args.tp) for lower in chain]
     rows = merge(runs, lowers) if lowers else runs[0]
     jsonl = out / f"{args.name}.jsonl"
     with open(jsonl, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     (out / f"{args.name}.machine.json").write_text(json.dumps(
-        {"machine": describe(), "model": str(model), "preset": args.preset,
+        {"machine": describe(), "model": str(model), "preset": args.preset, "tp": args.tp,
          "servers": servers, "paths": {p: LABELS[p] for p in paths}}, indent=2) + "\n")
     plot(rows, paths, out / f"{args.name}.png")
     print(table(rows, paths))

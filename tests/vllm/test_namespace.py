@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvtier.keys import Namespace
 from kvtier.tiers.base import TierError
@@ -225,9 +226,9 @@ class Engine:
                  layout: KVCacheLayout = KVCacheLayout.LBHNC, **attn: Any) -> None:
         fp8 = cache_dtype.startswith("fp8")
         self.dtype = torch.uint8 if fp8 else torch.float32
-        spec = SimpleNamespace(num_kv_heads=HEADS, head_size=HEAD, block_size=BS,
-                               dtype=self.dtype,
-                               page_size_bytes=HEADS * BS * 2 * HEAD * self.dtype.itemsize)
+        spec = FullAttentionSpec(num_kv_heads=HEADS, head_size=HEAD, block_size=BS,
+                                 dtype=self.dtype)
+        assert spec.page_size_bytes == HEADS * BS * 2 * HEAD * self.dtype.itemsize
         self.kv_cache_config = SimpleNamespace(
             kv_cache_groups=[SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=spec)],
             kv_cache_layout=layout.name, num_blocks=NB,
