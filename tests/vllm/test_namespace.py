@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtier.keys import Namespace
 from kvtier.tiers.base import TierError
