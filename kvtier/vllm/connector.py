@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.metrics import drain_export, enable_export, record_failed_loads, record_worker_step
+from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
 from kvtier.vllm.geometry import (
     PhysicalKV,
@@ -159,7 +159,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.on_worker_output(
-            connector_output.finished_sending, connector_output.kv_connector_worker_meta
+            connector_output.finished_sending, connector_output.kv_connector_worker_meta,
+            failed_load_blocks=len(connector_output.invalid_block_ids or ()),
         )
 
     def request_finished(
@@ -233,10 +234,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker_side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self.worker_side.load_errors() if self._worker is not None else set()
-        if errors and self._tp_rank == 0:  # vLLM takes the union over ranks
-            record_failed_loads(len(errors))
-        return errors
+        # counted by the scheduler side, from vLLM's union over every rank's errors
+        return self.worker_side.load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         return self._worker.worker_meta() if self._worker is not None else None

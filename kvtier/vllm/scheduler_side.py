@@ -50,7 +50,7 @@ from kvtier.config import KVTierConfig
 from kvtier.costmodel import Decision
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.metrics import record_drop, record_restore, record_spill
+from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Held, LoadProgress, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
@@ -607,7 +607,13 @@ class SchedulerSide:
         self._loads, self._to_save, self._load_holds = [], [], []
         return meta
 
-    def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any) -> None:
+    def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any, *,
+                         failed_load_blocks: int = 0) -> None:
+        """A step's output, folded over every rank by vLLM: saves finished on every rank,
+        our worker metadata, and how many blocks failed to load on any rank (vLLM's union,
+        counted here once, not per rank)."""
+        if failed_load_blocks:
+            record_failed_loads(failed_load_blocks)
         if isinstance(worker_meta, KVTierWorkerMetadata):
             if self.step_timer is not None:
                 self.step_timer.done(worker_meta.step)

@@ -13,6 +13,16 @@ from kvtier.clock import ManualClock
 from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, SchedulerSide
 
 
+class Blocks:
+    """vLLM's ``KVCacheBlocks`` as the scheduler side reads it: one group's block ids."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
 def ask(sched: SchedulerSide, req: SimpleNamespace, num_computed: int = 0) -> int | None:
     """One scheduler step's question, once the IO work it started (a probe of the lower
     tiers, then staging) has finished. With a ManualClock a step is ``PROBE_INTERVAL_S``."""

@@ -23,6 +23,7 @@ from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.worker_side import WorkerSide
+from tests.vllm.hooks import Blocks
 
 CT = 16
 GEOM = Geometry(2, 2, 64, CT, 1024, "float32")
@@ -42,14 +43,6 @@ def sched() -> Iterator[SchedulerSide]:
     s.close()
 
 
-class _Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
-
-
 def _one_request(sched: SchedulerSide, i: int) -> None:
     tokens = [3 + (i % 40)] * (3 * CT + 5)  # 40 distinct prompts: later ones restore
     req = SimpleNamespace(request_id=f"req-{i}", all_token_ids=tokens, num_tokens=len(tokens),
@@ -66,7 +59,7 @@ def _one_request(sched: SchedulerSide, i: int) -> None:
     if i % 13 == 0:  # aborted while waiting: never allocated
         sched.request_finished(req, [])
         return
-    sched.update_state_after_alloc(req, _Blocks(blocks), n or 0)
+    sched.update_state_after_alloc(req, Blocks(blocks), n or 0)
     step = sched.build_meta()
     req.num_computed_tokens = len(tokens)
     delay, _ = sched.request_finished(req, blocks)

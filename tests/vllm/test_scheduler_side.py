@@ -23,7 +23,7 @@ from kvtier.tiers.file import FileTier
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
-from tests.vllm.hooks import ask
+from tests.vllm.hooks import Blocks, ask
 
 CT = 128
 WAIT = 5.0
@@ -116,14 +116,6 @@ def test_a_finished_request_offers_host_chunks_the_shared_tier_lost(env: Any) ->
     assert other_node.contains_prefix(keys[:4]) == 4  # written through again from host
 
 
-class _Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
-
-
 def test_the_scheduler_indexes_the_pool_the_worker_created(tmp_path: Path) -> None:
     """Both sides cut one shared file into the same slots: what the worker saves into a
     slot the scheduler reserved by key is what a later request's load order points at."""
@@ -149,7 +141,7 @@ def test_the_scheduler_indexes_the_pool_the_worker_created(tmp_path: Path) -> No
         sched.on_worker_output({"first"}, None)  # committed with each chunk's real meta
         again = _request("again")
         assert ask(sched, again) == 4 * CT
-        sched.update_state_after_alloc(again, _Blocks(list(range(10, 15))), 4 * CT)
+        sched.update_state_after_alloc(again, Blocks(list(range(10, 15))), 4 * CT)
         loads = sched.build_meta().loads
         assert [op.slot for op in loads] == [op.slot for op in saves]
         for c, op in enumerate(loads):  # the bytes the worker wrote, seen by the scheduler

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvtier import metrics
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
 from kvtier.ops import resolve_copy_backend
@@ -30,7 +31,7 @@ from kvtier.tiers.base import TierError
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.worker_side import WorkerSide
-from tests.vllm.hooks import ask
+from tests.vllm.hooks import Blocks, ask
 from tests.vllm.test_worker_async import (
     BS,
     CT,
@@ -93,6 +94,7 @@ class Engine:
         self.sched = SchedulerSide(CFG, GEOM, NS, pool)
         assert not pool.exists()
         self.agg = KVOutputAggregator(WORLD)
+        self.invalid: set[int] = set()
 
     def run_step(self, finished: set[str]) -> None:
         """One engine step on every rank, their outputs folded and given back."""
@@ -107,7 +109,8 @@ class Engine:
                outs: list[ModelRunnerOutput | None]) -> None:
         sending, _ = rank.worker.get_finished(finished)
         kv_out = KVConnectorOutput(finished_sending=sending,
-                                   kv_connector_worker_meta=rank.worker.worker_meta())
+                                   kv_connector_worker_meta=rank.worker.worker_meta(),
+                                   invalid_block_ids=rank.worker.load_errors())
         outs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
                                       kv_connector_output=kv_out))
 
@@ -115,7 +118,9 @@ class Engine:
         out = self.agg.aggregate(outs)
         assert out is not None and out.kv_connector_output is not None
         kv = out.kv_connector_output
-        self.sched.on_worker_output(kv.finished_sending, kv.kv_connector_worker_meta)
+        self.invalid = kv.invalid_block_ids  # vLLM's union over ranks: it recomputes them
+        self.sched.on_worker_output(kv.finished_sending, kv.kv_connector_worker_meta,
+                                    failed_load_blocks=len(kv.invalid_block_ids))
 
     def poll(self) -> None:
         """An engine step with no new work: each rank reports what completed since."""
@@ -139,14 +144,6 @@ def _request(rid: str) -> SimpleNamespace:
                            cache_salt=None, kv_transfer_params=None, lora_request=None,
                            mm_features=None, prompt_embeds=None,
                            num_computed_tokens=len(TOKENS))
-
-
-class _Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
 
 
 def _save(e: Engine) -> None:
@@ -189,7 +186,7 @@ def test_a_restore_loads_each_ranks_part_and_releases_after_both(engine: Engine)
     req = _request("b")
     req.num_computed_tokens = 0
     assert ask(engine.sched, req) == 2 * CT
-    engine.sched.update_state_after_alloc(req, _Blocks(LOAD_BLOCKS), 2 * CT)
+    engine.sched.update_state_after_alloc(req, Blocks(LOAD_BLOCKS), 2 * CT)
     engine.run_step(set())
     host = engine.sched.store.host.index
     held = host.num_held()
@@ -322,10 +319,16 @@ def test_a_load_one_rank_failed_is_reported_and_its_slots_released_once(
         req = _request("b")
         req.num_computed_tokens = 0
         assert ask(e.sched, req) == 2 * CT
-        e.sched.update_state_after_alloc(req, _Blocks(LOAD_BLOCKS), 2 * CT)
-        e.run_step(set())
-        assert e.ranks[1].worker.load_errors() == set(LOAD_BLOCKS), "vLLM recomputes them"
-        assert e.ranks[0].worker.load_errors() == set()
+        e.sched.update_state_after_alloc(req, Blocks(LOAD_BLOCKS), 2 * CT)
+        export = metrics.enable_export()
+        export.drain()
+        try:
+            e.run_step(set())
+            assert e.invalid == set(LOAD_BLOCKS), "rank 1's errors reach vLLM: recomputed"
+            assert metrics.drain_export()["kvtier_worker_failed_load_blocks_total"] == {
+                "": len(LOAD_BLOCKS)}, "counted once, whichever rank failed"
+        finally:
+            metrics.disable_export()
         e.ranks[1].gated.open_all()  # rank 1 is done (failed); rank 0 is still copying
         e.poll()
         assert e.sched.store.host.index.num_held() > 0
