@@ -73,10 +73,11 @@ def layouts(m: Model) -> dict[str, KVLayout]:
 
 
 class Op:
-    """A chunk copy: ``block_ids[i]`` is chunk block ``first + i`` of ``slot``."""
+    """A chunk copy: ``block_ids[i]`` is chunk block ``first + i`` of ``slot``, which
+    holds ``span`` blocks (0: a whole chunk)."""
 
-    def __init__(self, slot: int, block_ids: list[int], first: int = 0) -> None:
-        self.slot, self.block_ids, self.first = slot, block_ids, first
+    def __init__(self, slot: int, block_ids: list[int], first: int = 0, span: int = 0) -> None:
+        self.slot, self.block_ids, self.first, self.span = slot, block_ids, first, span
 
 
 @dataclass

@@ -232,6 +232,12 @@ class KVTierConfig(_Model):
     #: only the host tier is emptied (dirty chunks queued below; the reset answers "not
     #: done" until they are written and dropped) and the lower tiers keep serving.
     reset_cache: Literal["weights", "host"] = "weights"
+    #: Also store a request's last partial chunk, down to vLLM's block size (a *tail*),
+    #: so a returning turn restores everything up to its last full block, not only its
+    #: full chunks. Tails live in the host tier and reach write-back tiers only when
+    #: spilled or flushed; a longer save of the same chunk drops them. ``false``: whole
+    #: chunks only (a return recomputes up to ``chunk_tokens - 1`` tokens of history).
+    partial_tails: bool = True
 
     @field_validator("tiers")
     @classmethod

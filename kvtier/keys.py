@@ -13,6 +13,10 @@ Invariants:
   adapter; per engine the weights epoch). Different namespaces never share a key. What
   varies per chunk (multimodal inputs, prompt embeddings) goes into that chunk's
   ``extra``. ``docs/architecture.md`` ("Keys") lists every input and its vLLM setting.
+* A partial *tail* (the first ``k`` blocks of a chunk that is not full yet, ``tail_key``)
+  is ``H(key_{i-1}, tokens, extra, TAIL)``: one more part than any full chunk's input,
+  so a tail key never equals a full chunk's key, and its parent names the prefix before
+  it exactly as a full chunk's does.
 * ``ChunkKey.hex()`` is only ``[0-9a-f]``: tier paths and object names built from it
   cannot escape their root.
 """
@@ -147,6 +151,21 @@ def chunk_keys(
         prev = _h(prev, encoded[i * step : (i + 1) * step], more)
         keys.append(ChunkKey(prev))
     return keys
+
+
+#: The extra part that makes a tail's key input differ from every full chunk's.
+TAIL = b"kvtier-tail"
+
+
+def tail_key(
+    prev: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
+) -> ChunkKey:
+    """The key of a partial tail: ``tokens`` (fewer than a chunk's, a whole number of
+    blocks) right after the chunk whose key is ``prev`` (the namespace digest for a tail
+    of chunk 0), with that chunk position's ``extra``."""
+    if not len(tokens):
+        raise ValueError("a tail holds at least one token")
+    return ChunkKey(_h(bytes(prev), encode_tokens(tokens), extra, TAIL))
 
 
 def key_from_hex(text: str) -> ChunkKey:

@@ -78,6 +78,8 @@ OFFERED_MAX = 65536
 
 #: A held host slot and the tier its chunk was read from: ``((slot, meta), tier index)``.
 _Hit = tuple[tuple[int, ChunkMeta], int]
+#: A chunk to load: its key, the tier the lookup found it in, and what it must be.
+_Entry = tuple[ChunkKey, int, ChunkSpec | None]
 
 
 class WritePolicy(StrEnum):
@@ -396,6 +398,13 @@ class TieredStore:
         2: a save and its backup, the most there are). Memory only."""
         return self.host.index.writers(key)
 
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop ``keys`` from the host tier where present and unheld, dirty or not, never
+        writing them below: chunks a longer save supersedes (a partial tail whose bytes
+        a whole chunk or a longer tail repeats). Returns how many were dropped. Memory
+        only."""
+        return self.host.delete(keys)
+
     def abort(self, slot: int) -> None:
         """Give back a reserved slot whose copy failed; nothing is published."""
         self.host.abort(slot)
@@ -620,7 +629,7 @@ class TieredStore:
 
     # -- reads -------------------------------------------------------------------------
     def load(
-        self, found: Lookup, expect: ChunkSpec | None = None,
+        self, found: Lookup, expect: ChunkSpec | Sequence[ChunkSpec] | None = None,
         progress: LoadProgress | None = None,
     ) -> Future[Held]:
         """Hold the chunks of ``found`` (a ``lookup_indexed`` or ``lookup`` answer, or its
@@ -634,31 +643,40 @@ class TieredStore:
         no tier below has the chunk. A chunk
         another load promoted meanwhile is served from the host. Leading host
         entries are held at once, on the calling thread; the rest are read on the IO pool
-        (loads run before stores). With ``expect``, only chunks that match it are served: a
-        host slot or object of another namespace, token count, dtype, shape or payload
-        length is a counted miss. The future never raises for storage faults or bad
-        objects: a chunk that cannot be read ends the prefix. If it raises anyway (a bug),
-        it holds no slots. Reads run on the IO pool of the first lower tier to read from.
-        ``progress`` is touched after each chunk read; once cancelled, the load ends
+        (loads run before stores). With ``expect`` (one spec for every chunk, or one per
+        entry of ``found``: a partial tail's differs), only chunks that match it are
+        served: a host slot or object of another namespace, token count, dtype, shape or
+        payload length is a counted miss. The future never raises for storage faults or
+        bad objects: a chunk that cannot be read ends the prefix. If it raises anyway (a
+        bug), it holds no slots. Reads run on the IO pool of the first lower tier to read
+        from. ``progress`` is touched after each chunk read; once cancelled, the load ends
         before its next chunk (what it holds by then is in the result).
         """
-        if expect is not None and expect.payload_len > self.host.slot_bytes:
-            raise ValueError(
-                f"expected chunks of {expect.payload_len} bytes do not fit the host tier's "
-                f"{self.host.slot_bytes}-byte slots"
-            )
+        specs: list[ChunkSpec | None]
+        if expect is None or isinstance(expect, ChunkSpec):
+            specs = [expect] * found.hits
+        else:
+            specs = list(expect)
+            if len(specs) != found.hits:
+                raise ValueError(f"{len(specs)} specs for {found.hits} chunks")
+        for spec in [expect] if isinstance(expect, ChunkSpec) else specs:
+            if spec is not None and spec.payload_len > self.host.slot_bytes:
+                raise ValueError(
+                    f"expected chunks of {spec.payload_len} bytes do not fit the host "
+                    f"tier's {self.host.slot_bytes}-byte slots"
+                )
         held = Held(self)
-        entries = list(zip(found.keys, found.tiers, strict=True))
-        rest: list[tuple[ChunkKey, int]] = []
+        entries = list(zip(found.keys, found.tiers, specs, strict=True))
+        rest: list[_Entry] = []
         try:
-            for i, (key, tier) in enumerate(entries):
+            for i, (key, tier, spec) in enumerate(entries):
                 if tier != HOST:
                     rest = entries[i:]
                     break
-                got = self._hold_host(key, expect)
+                got = self._hold_host(key, spec)
                 if got is None:  # gone (or bad) since the lookup: read it below, or stop
                     alt = self._indexed_below(key)
-                    rest = [] if alt is None else [(key, alt), *entries[i + 1 :]]
+                    rest = [] if alt is None else [(key, alt, spec), *entries[i + 1 :]]
                     break
                 held.add(got)
             if not rest:
@@ -667,7 +685,7 @@ class TieredStore:
                 return done
             first = rest[0][1]
             pool = self._pool_of(self.tiers[first]) if first != HOST else self.io
-            return pool.submit_load(lambda: self._promote(held, rest, expect, progress))
+            return pool.submit_load(lambda: self._promote(held, rest, progress))
         except BaseException:
             held.release()
             raise
@@ -690,11 +708,10 @@ class TieredStore:
                      if i > tier and b.up and lt.tier.indexed(key)), None)
 
     def _promote(
-        self, held: Held, entries: list[tuple[ChunkKey, int]], expect: ChunkSpec | None,
-        progress: LoadProgress | None = None,
+        self, held: Held, entries: list[_Entry], progress: LoadProgress | None = None,
     ) -> Held:
         try:
-            for key, tier in entries:
+            for key, tier, expect in entries:
                 if progress is not None and progress.cancelled:
                     break  # the caller gave up: read no more
                 got = (self._hold_host(key, expect) if tier == HOST

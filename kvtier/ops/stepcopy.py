@@ -57,7 +57,10 @@ log = logging.getLogger("kvtier.ops")
 
 class ChunkCopy(Protocol):
     """One chunk's blocks: ``block_ids[i]`` is chunk block ``first + i`` of ``slot``
-    (``kvtier.vllm.protocol.CopyOp`` is one)."""
+    (``kvtier.vllm.protocol.CopyOp`` is one). ``span`` is how many blocks the slot's
+    chunk holds: 0 for a whole chunk, ``1 <= span < blocks_per_chunk`` for a partial
+    tail (kvtier's chunk layout over ``span`` blocks, at the start of each rank's part;
+    see ``StepCopier.slot``)."""
 
     @property
     def slot(self) -> int: ...
@@ -67,6 +70,9 @@ class ChunkCopy(Protocol):
 
     @property
     def first(self) -> int: ...
+
+    @property
+    def span(self) -> int: ...
 
 
 class Batch(Protocol):
@@ -108,20 +114,29 @@ class SaveFailed:
 
 @dataclass(frozen=True)
 class StepCopier:
-    """Copies between ``pool`` (slots of ``slot_bytes``) and the per-layer ``views``.
+    """Copies between ``pool`` and the per-layer ``views``.
 
     ``views`` are ``KVLayout.block_view``s ``(outer, num_blocks, inner)`` of one dtype
-    and shape; a slot holds ``blocks_per_chunk`` blocks of every layer.
+    and shape; ``slot_bytes`` is this rank's part of a whole chunk (``blocks_per_chunk``
+    blocks of every layer). A pool slot holds ``tp_world`` such parts, rank after rank:
+
+    * a whole chunk: rank ``r``'s part is bytes ``[r * slot_bytes, (r + 1) * slot_bytes)``
+      of the slot;
+    * a partial tail of ``span`` blocks: each rank's part is ``span / blocks_per_chunk`` of
+      that, and the parts are packed from the slot's start (rank ``r`` at
+      ``r * part``), so the tail's payload is one contiguous prefix of the slot and
+      nothing of an earlier chunk in the same slot is ever part of it.
     """
 
     backend: Batches
     views: Sequence[torch.Tensor]
-    #: uint8 host memory: 1-D (slot after slot), or 2-D ``(num_slots, slot_bytes)`` rows of
-    #: a wider pool (a TP rank's range of every shared slot; each row is contiguous)
+    #: uint8 host memory, 1-D: slot after slot, each ``tp_world * slot_bytes``
     pool: torch.Tensor
     slot_bytes: int
     blocks_per_chunk: int
     issue: Issue
+    tp_rank: int = 0
+    tp_world: int = 1
 
     @property
     def num_layers(self) -> int:
@@ -131,14 +146,21 @@ class StepCopier:
     def device(self) -> torch.device:
         return self.views[0].device
 
-    def slot(self, slot: int) -> torch.Tensor:
-        if self.pool.dim() == 2:
-            if not 0 <= slot < self.pool.shape[0]:
-                raise IndexError(f"host slot {slot} is outside the pool")
-            return self.pool[slot]
-        if not 0 <= slot < self.pool.numel() // self.slot_bytes:
+    def span_of(self, op: ChunkCopy) -> int:
+        """Blocks in ``op``'s slot: ``blocks_per_chunk``, or a tail's ``span``."""
+        span = op.span or self.blocks_per_chunk
+        if not 0 < span <= self.blocks_per_chunk:
+            raise ValueError(f"a {span}-block span of a {self.blocks_per_chunk}-block chunk")
+        return span
+
+    def slot(self, slot: int, span: int = 0) -> torch.Tensor:
+        """This rank's bytes of ``slot`` holding ``span`` blocks (0: a whole chunk)."""
+        whole = self.slot_bytes * self.tp_world
+        if not 0 <= slot < self.pool.numel() // whole:
             raise IndexError(f"host slot {slot} is outside the pool")
-        return self.pool[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        part = self.slot_bytes * (span or self.blocks_per_chunk) // self.blocks_per_chunk
+        start = slot * whole + self.tp_rank * part
+        return self.pool[start : start + part]
 
     def start_loads(self, ops: Sequence[ChunkCopy]) -> LayerLoads:
         """This step's loads, ordered after the work on the current stream; issues what
@@ -154,7 +176,8 @@ class StepCopier:
         """Gathers each op's blocks of every layer into its slot; one result per op.
 
         Issued in order on one batch, so an op's handle also covers the ops before it.
-        An op must cover a whole chunk (``first == 0``, ``blocks_per_chunk`` blocks).
+        An op must cover its whole span (``first == 0``; ``blocks_per_chunk`` blocks, or a
+        tail's ``span``).
         """
         if not ops:
             return []
@@ -162,13 +185,14 @@ class StepCopier:
         out: list[CopyHandle | SaveFailed] = []
         for op in ops:
             try:
-                if op.first != 0 or len(op.block_ids) != self.blocks_per_chunk:
+                span = self.span_of(op)
+                if op.first != 0 or len(op.block_ids) != span:
                     raise ValueError(
-                        f"a save covers whole chunks: blocks {op.first}.. of "
-                        f"{len(op.block_ids)} in a {self.blocks_per_chunk}-block chunk"
+                        f"a save covers its whole span: blocks {op.first}.. of "
+                        f"{len(op.block_ids)} in a {span}-block span"
                     )
                 ids = torch.tensor(op.block_ids, dtype=torch.int64)
-                batch.gather(self.views, ids, self.slot(op.slot))
+                batch.gather(self.views, ids, self.slot(op.slot, op.span))
                 out.append(batch.mark())
             except Exception as e:
                 out.append(SaveFailed(e))
@@ -209,12 +233,12 @@ class LayerLoads:
             return
         c = self._copier
         for k, op in enumerate(self._ops):
-            if op.first != 0 or len(op.block_ids) != c.blocks_per_chunk:
+            if op.first != 0 or len(op.block_ids) != (op.span or c.blocks_per_chunk):
                 for layer in range(c.num_layers):
                     self._scatter(k, layer)
                 continue
             try:
-                self._batch.scatter(c.slot(op.slot), c.views, self._ids[k])
+                self._batch.scatter(c.slot(op.slot, op.span), c.views, self._ids[k])
             except Exception:
                 self._fail(k, None)
         self._handles = [self._batch.mark()] * c.num_layers
@@ -281,14 +305,15 @@ class LayerLoads:
     def _pieces(self, op: ChunkCopy, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(contiguous source bytes, 3-D block view) pairs covering one layer of ``op``."""
         c = self._copier
-        n, bpc = len(op.block_ids), c.blocks_per_chunk
+        n, bpc = len(op.block_ids), c.span_of(op)
         if op.first < 0 or op.first + n > bpc:
             raise ValueError(f"blocks {op.first}..{op.first + n} of a {bpc}-block chunk")
         if n == 0:
             return []
         view = c.views[layer]
-        per_layer = c.slot_bytes // c.num_layers
-        part = c.slot(op.slot)[layer * per_layer : (layer + 1) * per_layer]
+        whole = c.slot(op.slot, op.span)
+        per_layer = whole.numel() // c.num_layers
+        part = whole[layer * per_layer : (layer + 1) * per_layer]
         if n == bpc:
             return [(part, view)]
         rows = part.view(int(view.shape[0]), bpc, -1)  # (outer, block, inner bytes)

@@ -3,7 +3,9 @@
 Plain dataclasses of ints and strings, so they survive any of vLLM's serialisers.
 A ``CopyOp`` moves the blocks of one chunk: ``block_ids[i]`` is chunk block
 ``first + i``; its bytes are in host slot ``slot`` (kvtier's chunk layout,
-``kvtier/ops/layout.py``).
+``kvtier/ops/layout.py``). ``span`` is 0 for a whole chunk, or the block count of a
+partial tail (a chunk's first ``span`` blocks, packed at the slot's start:
+``kvtier.ops.stepcopy.StepCopier``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class CopyOp:
     slot: int
     block_ids: list[int]
     first: int = 0
+    span: int = 0
 
 
 @dataclass

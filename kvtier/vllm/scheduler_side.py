@@ -49,10 +49,10 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
 from kvtier.costmodel import Decision
 from kvtier.flusher import IdleFlusher
-from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.keys import ChunkKey, Namespace, chunk_keys, tail_key
 from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
-from kvtier.store import Held, LoadProgress, TieredStore, WritePolicy
+from kvtier.store import Held, LoadProgress, Lookup, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
@@ -96,12 +96,36 @@ def _release_when_done(fut: Future[Held]) -> None:
         fut.result().release()
 
 
+@dataclass(frozen=True)
+class _Tail:
+    """A partial tail: the first ``blocks`` blocks of chunk ``chunk`` (``keys.tail_key``);
+    ``tier`` is where a lookup found it."""
+
+    chunk: int
+    blocks: int
+    key: ChunkKey
+    tier: int = 0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One thing a finishing request saves: a whole chunk (``span`` 0) or its tail."""
+
+    key: ChunkKey
+    meta: ChunkMeta
+    block_ids: list[int]
+    span: int = 0
+
+
 @dataclass
 class _Lookup:
-    """A request between its lookup and its block allocation."""
+    """A request between its lookup and its block allocation. It stages ``full`` whole
+    chunks from ``first_chunk`` on, then, if ``tail_blocks``, the next chunk's tail."""
 
     keys: list[ChunkKey]
     first_chunk: int = 0
+    full: int = 0
+    tail_blocks: int = 0
     future: Future[Held] | None = None
     held: Held | None = None
     start_tokens: int = 0
@@ -167,6 +191,8 @@ class SchedulerSide:
         self.bs = geometry.block_size
         self.bpc = geometry.blocks_per_chunk(self.ct)
         self.slot_bytes = geometry.chunk_bytes(self.ct)
+        #: store and restore partial tails (block granularity); a one-block chunk has none
+        self.tails = cfg.partial_tails and self.bpc > 1
         self.store = store or self._build_store(pool_path)
         self.policy = threshold_policy(cfg.restore, self.store, self.slot_bytes,
                                        probe=store is None)
@@ -255,8 +281,45 @@ class SchedulerSide:
             shape = (self.geom.tp_world, *shape)
         return ChunkSpec(ns, self.ct, self.geom.kv_dtype, shape, self.slot_bytes)
 
+    def _tail_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
+        """What a tail of ``blocks`` blocks must be: every rank's first ``blocks`` blocks
+        of every layer, packed (``StepCopier.slot``), and nothing else."""
+        shape: tuple[int, ...] = (self.geom.num_layers, blocks, self.geom.page_bytes)
+        if self.geom.tp_world > 1:
+            shape = (self.geom.tp_world, *shape)
+        return ChunkSpec(ns, blocks * self.bs, self.geom.kv_dtype, shape,
+                         self.slot_bytes // self.bpc * blocks)
+
     def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
         return self._spec(ns).meta(keys[c], keys[c - 1] if c else None)
+
+    def _tail_key(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
+                  blocks: int) -> ChunkKey:
+        """The key of the request's tail of ``blocks`` blocks in chunk ``chunk`` (its
+        keys up to ``chunk`` are in ``keys``; its identity is cached by ``_keys``)."""
+        ident = self._key_cache[request.request_id].identity
+        lo = chunk * self.ct
+        extra = ident.chunk_extra(chunk) if ident.chunk_extra is not None else b""
+        return tail_key(keys[chunk - 1] if chunk else ident.namespace,
+                        request.all_token_ids[lo : lo + blocks * self.bs], extra)
+
+    def _find_tail(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
+                   num_computed: int, limit: int) -> _Tail | None:
+        """The longest stored tail of chunk ``chunk`` (the first one not stored whole)
+        that would restore something past ``num_computed`` below ``limit``. Memory only:
+        at most ``blocks_per_chunk - 1`` keys hashed and looked up in the indexes."""
+        lo = chunk * self.ct
+        if not self.tails or lo >= limit or chunk > len(keys):
+            return None
+        most = min(self.bpc - 1, (request.num_tokens - lo) // self.bs)
+        for k in range(most, 0, -1):
+            if lo + k * self.bs <= num_computed:
+                break  # vLLM computed this much already
+            key = self._tail_key(request, keys, chunk, k)
+            found = self.store.lookup_indexed([key])
+            if found.hits:
+                return _Tail(chunk, k, key, found.tiers[0])
+        return None
 
     def _forget(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
@@ -293,27 +356,40 @@ class SchedulerSide:
             first = num_computed // self.ct
             wanted = keys[: -(-limit // self.ct)]
             hit = self.store.lookup_indexed(wanted[first:])
-            announced = self._announced(request, keys, len(wanted))
+            announced, ann_tail = self._announced(request, keys, limit)
+
+            def missing() -> bool:  # announced by the prefill node, not visible here yet
+                return announced > first + hit.hits or (
+                    ann_tail is not None and not self.store.lookup_indexed([ann_tail]).hits)
+
             beyond = wanted[first + hit.hits :]
-            if self._probing(rid, beyond, announced > first + hit.hits):
+            if ann_tail is not None:  # the announced chain: its chunks, then its tail
+                beyond = wanted[first + hit.hits : announced]
+                if not self.store.lookup_indexed([ann_tail]).hits:
+                    beyond.append(ann_tail)
+            if self._probing(rid, beyond, missing()):
                 return None, False
             if beyond:
                 hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
-            if (announced > first + hit.hits and self.store.shared_up(every=False)
-                    and self._keep_waiting(rid)):
+            if missing() and self.store.shared_up(every=False) and self._keep_waiting(rid):
                 return None, False  # (no shared tier can answer: stop waiting now)
             waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
             t0 = time.perf_counter() - waited
-            if hit.hits == 0:
+            tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
+            if hit.hits == 0 and tail is None:
                 return 0, False
             own, bad = _request_threshold(_request_params(request))
             if bad and not self._bad_threshold_logged:
                 self._bad_threshold_logged = True
                 log.warning("kvtier: ignoring kv_transfer_params.kvtier."
                             "recompute_threshold_tokens (not a non-negative integer)")
+            tiers, lim = list(hit.tiers), limit
+            if tail is not None:  # an entry of its own, ending the restore where it ends
+                tiers.append(tail.tier)
+                lim = min(limit, tail.chunk * self.ct + tail.blocks * self.bs)
             d = self.policy.chunks_to_restore(
                 num_computed, self.ct, self.slot_bytes,
-                [self.store.tiers[i].name for i in hit.tiers], limit_tokens=limit,
+                [self.store.tiers[i].name for i in tiers], limit_tokens=lim,
                 fixed_tokens=own,
             )
             log.debug("kvtier: %s: %s", rid, d)
@@ -323,9 +399,17 @@ class SchedulerSide:
             staged = self._staged_chunks()
             if staged and staged + d.chunks > self._staged_cap:
                 return None, False  # staged KV is waiting for admission: ask again
-            lk = _Lookup(keys, first, t0=t0, threshold=own,
-                         progress=LoadProgress(self.clock), chunks=d.chunks)
-            lk.future = self.store.load(hit.head(d.chunks), self._spec(ns), lk.progress)
+            full = min(d.chunks, hit.hits)
+            found, specs = hit.head(full), [self._spec(ns)] * full
+            tail_blocks = 0
+            if tail is not None and d.chunks > hit.hits:
+                found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
+                specs.append(self._tail_spec(ns, tail.blocks))
+                tail_blocks = tail.blocks
+            lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
+                         t0=t0, threshold=own, progress=LoadProgress(self.clock),
+                         chunks=d.chunks)
+            lk.future = self.store.load(found, specs, lk.progress)
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
@@ -348,7 +432,10 @@ class SchedulerSide:
                 self._lookups.pop(rid, None)
                 return 0, False
         assert lk.held is not None
-        tokens = min((lk.first_chunk + len(lk.held)) * self.ct, limit)
+        tokens = (lk.first_chunk + min(len(lk.held), lk.full)) * self.ct
+        if len(lk.held) > lk.full:  # the tail was read too
+            tokens += lk.tail_blocks * self.bs
+        tokens = min(tokens, limit)
         ext = tokens - num_computed
         # A fixed threshold applies to what was staged (a failed read shrinks it); under
         # ``auto`` the reads are paid for, so what is held is claimed.
@@ -396,22 +483,37 @@ class SchedulerSide:
                  rid, self.lookup_timeout_s)
         return False
 
-    def _announced(self, request: Any, keys: list[ChunkKey], usable: int) -> int:
-        """Chunks the prefill node announced for this request and we may use (P/D)."""
+    def _announced(self, request: Any, keys: list[ChunkKey],
+                   limit: int) -> tuple[int, ChunkKey | None]:
+        """What the prefill node announced for this request and we may use (P/D), below
+        ``limit`` tokens: its whole chunks, and the key of its tail when it announced one
+        (``tokens`` not a multiple of ``chunk_tokens``; ``last_key`` then names the
+        tail)."""
+        usable = min(len(keys), -(-limit // self.ct))
         expect = _request_params(request).get("expect")
         if not isinstance(expect, dict):
-            return 0
+            return 0, None
         tokens, last = expect.get("tokens"), expect.get("last_key")
-        if not isinstance(tokens, int) or not isinstance(last, str) or tokens < self.ct:
-            return 0
-        n = tokens // self.ct
-        if n > len(keys) or keys[n - 1].hex() != last:
+        if not isinstance(tokens, int) or not isinstance(last, str) or tokens < self.bs:
+            return 0, None
+        n, k = divmod(tokens, self.ct)
+        k //= self.bs
+        ok = n <= len(keys) and tokens <= request.num_tokens
+        if ok and k:
+            tail = self._tail_key(request, keys, n, k)
+            if tail.hex() == last:
+                # usable if it restores a block below the limit; with tails off here,
+                # wait for the whole chunks only
+                use = self.tails and n * self.ct < limit
+                return min(n, usable), tail if use else None
+            ok = False
+        if not ok or (not k and keys[n - 1].hex() != last):
             log.warning(
                 "kvtier: %s announces %d tokens ending in %s, which is not this prompt's "
                 "chunk; not waiting for it", request.request_id, tokens, last[:16],
             )
-            return 0
-        return min(n, usable)
+            return 0, None
+        return min(n, usable), None
 
     def _keep_waiting(self, rid: str) -> bool:
         now = self.clock.monotonic()
@@ -455,7 +557,9 @@ class SchedulerSide:
             lo, hi = max(lo_blk, c * self.bpc), min(hi_blk, (c + 1) * self.bpc)
             idx = c - lk.first_chunk
             slot = lk.held.slots[idx][0]
-            self._loads.append(CopyOp(rid, slot, list(block_ids[lo:hi]), lo - c * self.bpc))
+            span = lk.tail_blocks if idx == lk.full else 0
+            self._loads.append(CopyOp(rid, slot, list(block_ids[lo:hi]), lo - c * self.bpc,
+                                      span))
             tier = self.store.tiers[lk.held.from_tier[idx]].name
             by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
         self._load_holds.append(lk.held)
@@ -472,14 +576,16 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any]]:
-        """Reserve slots for the request's unsaved full chunks.
+        """Reserve slots for the request's unsaved full chunks and, with ``partial_tails``,
+        its tail: the full blocks of its last, partial chunk.
 
         Returns (delay freeing the blocks, ``kv_transfer_params`` for the response):
         the params say what kvtier restored for this request and what it now holds:
-        ``namespace``, ``tokens`` (the prefix of full chunks, prompt and output, that is
-        stored or being stored: what a P/D decode node may wait for), ``last_key``
-        (names the whole chain) and ``expires_at`` (wall clock, end of the shared-tier
-        lease unless renewed), plus restore statistics.
+        ``namespace``, ``tokens`` (the prefix, prompt and output, that is stored or being
+        stored: whole chunks, then possibly a tail's blocks; what a P/D decode node may
+        wait for), ``last_key`` (names the whole chain: the tail's key when ``tokens``
+        ends in one) and ``expires_at`` (wall clock, end of the shared-tier lease unless
+        renewed), plus restore statistics.
         """
         rid = request.request_id
         self._forget(rid)
@@ -487,34 +593,50 @@ class SchedulerSide:
         self._probes.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
-        n_chunks = min(request.num_computed_tokens // self.ct, len(block_ids) // self.bpc)
+        n_blocks = min(request.num_computed_tokens // self.bs, len(block_ids))
+        n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
+        if not self.tails:
+            tail_blocks = 0
         try:
             got = self._keys(request, n_chunks * self.ct)
         except Unsupported:
             got = PENDING
-        self._key_cache.pop(rid, None)
         if seen_epoch != self.identities.epoch:
             got = PENDING  # it ran across a weights reset: its KV may mix both weights
         if got is PENDING:  # identity unknown (or refused): store nothing
-            n_chunks, got = 0, (b"", [])
+            n_chunks, tail_blocks, got = 0, 0, (b"", [])
         ns, keys = got
-        wanted = n_chunks and _request_params(request).get("save") is not False
-        saved, held = self._save(rid, ns, keys, block_ids) if wanted else (0, 0)
+        tail = None
+        if tail_blocks:
+            key = self._tail_key(request, keys, n_chunks, tail_blocks)
+            meta = self._tail_spec(ns, tail_blocks).meta(
+                key, keys[n_chunks - 1] if n_chunks else None)
+            lo = n_chunks * self.bpc
+            tail = _Piece(key, meta, list(block_ids[lo : lo + tail_blocks]), tail_blocks)
+        wanted = (n_chunks or tail) and _request_params(request).get("save") is not False
+        saved, held = (self._save(rid, request, ns, keys, block_ids, tail) if wanted
+                       else (0, 0))
+        self._key_cache.pop(rid, None)
+        tokens = min(held, n_chunks) * self.ct
+        last = keys[held - 1] if 0 < held <= n_chunks else None
+        if held > n_chunks:
+            assert tail is not None
+            tokens, last = tokens + tail.span * self.bs, tail.key
+        whole = n_chunks * self.slot_bytes + (tail.meta.payload_len if tail else 0)
         params = {
             "namespace": ns.hex(),
-            "tokens": held * self.ct,
-            "last_key": keys[held - 1].hex() if held else None,
+            "tokens": tokens,
+            "last_key": None if last is None else last.hex(),
             "restored_tokens": sum(restored.values()),
             "restored_by_tier": restored,
             "restore_ms": round(restore_ms, 3),
             "decision": self._decision(rid),
             "expires_at": time.time() + self.lease_s,
             "role": self.role,
-            "spilled_bytes": saved * self.slot_bytes,
-            "write_through_bytes": n_chunks * self.slot_bytes,
+            "spilled_bytes": saved,
+            "write_through_bytes": whole,
         }
-        delay = saved > 0
-        return delay, {"kvtier": params}
+        return saved > 0, {"kvtier": params}
 
     def _decision(self, rid: str) -> dict[str, str] | None:
         """The restore-or-recompute decision for ``rid``, for its response (why kvtier
@@ -522,11 +644,27 @@ class SchedulerSide:
         d = self._decisions.pop(rid, None)
         return None if d is None else {"outcome": d.outcome.value, "detail": str(d)}
 
+    def _supersede(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
+                   blocks: int) -> None:
+        """Drop from the host tier the tails of chunk ``chunk`` shorter than ``blocks``
+        blocks (``blocks_per_chunk``: the whole chunk): the save that covers them holds
+        their bytes too. A return that agrees with the longer save restores it; one that
+        branches inside the chunk recomputes at most that chunk, as without tails. Lower
+        tiers keep what they were given (write-through tails of a P/D node; spilled ones)
+        until their collection: a shared tier may serve another node's request. Memory
+        only: at most ``blocks_per_chunk - 1`` keys hashed."""
+        if chunk * self.ct >= request.num_tokens:
+            return
+        drop = [self._tail_key(request, keys, chunk, k) for k in range(1, blocks)]
+        self.store.discard(drop)
+
     def _save(
-        self, rid: str, ns: bytes, keys: list[ChunkKey], block_ids: Sequence[int]
+        self, rid: str, request: Any, ns: bytes, keys: list[ChunkKey],
+        block_ids: Sequence[int], tail: _Piece | None,
     ) -> tuple[int, int]:
-        """Queue copies of the chunks not stored yet. Returns (chunks to copy, length of
-        the prefix that is stored or will be): what the response announces.
+        """Queue copies of the chunks not stored yet, then of the ``tail`` (if any).
+        Returns (bytes to copy, length of the stored prefix in pieces: whole chunks, and
+        ``len(keys) + 1`` if the tail is stored or will be): what the response announces.
 
         Concurrent saves of one prefix (requests that share a new system prompt and finish
         in the same step): a chunk another request is saving counts as held, and this
@@ -546,6 +684,9 @@ class SchedulerSide:
 
         A node that serves its own requests (``both``) makes no backups: the worst a
         failed save of a shared chunk costs it is a recompute of the chunks after it.
+        The tail is one more piece after the whole chunks, under the same rules; the first
+        piece this request saves itself supersedes the shorter tails of its chunk
+        (``_supersede``).
         """
         n_chunks = len(keys)
         stored = self.store.lookup_indexed(keys).hits  # memory only: scheduler thread
@@ -561,36 +702,44 @@ class SchedulerSide:
             # tier's index knows.
             held = next((i for i, k in enumerate(keys[:stored]) if not any(
                 lt.tier.indexed(k) for lt in self.store.lower)), stored)
-        room = self.store.free_store_slots(WritePolicy.THROUGH) if shared else n_chunks
+        room = self.store.free_store_slots(WritePolicy.THROUGH) if shared else n_chunks + 1
         if shared and not self.store.shared_up(every=True):
             room = 0  # a down shared tier drops writes: announce nothing new
+        pieces = [_Piece(keys[c], self._meta(ns, keys, c),
+                         list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
+                  for c in range(stored, n_chunks)]
+        if tail is not None:
+            pieces.append(tail)
         announce = held  # grows only while the chain from chunk 0 stays whole
         saves: list[tuple[int, ChunkMeta]] = []
-        for c in range(stored, n_chunks):
-            key = keys[c]
-            slot = self.store.reserve(key)
-            if slot is None and shared and self.store.saving(key):
-                slot = self.store.reserve(key, backup=True)
+        nbytes = 0
+        for c, piece in enumerate(pieces, start=stored):
+            slot = self.store.reserve(piece.key)
+            if slot is None and shared and self.store.saving(piece.key):
+                slot = self.store.reserve(piece.key, backup=True)
             if slot is None:
-                if not self.store.holds(key):
+                if not self.store.holds(piece.key):
                     record_drop("host_full")
                     break
+                if c == stored and self.tails:
+                    self._supersede(request, keys, c, piece.span or self.bpc)
                 # stored meanwhile, or being saved by another request: held. Announced
                 # if published, or (P/D) if two saves of it are in flight already (one
                 # request's and a backup: both would have to fail)
-                if announce == c and not (shared and self.store.saving(key) == 1):
+                if announce == c and not (shared and self.store.saving(piece.key) == 1):
                     announce = c + 1
                 continue
-            saves.append((slot, self._meta(ns, keys, c)))
-            self._to_save.append(
-                CopyOp(rid, slot, list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
-            )
+            if c == stored and self.tails:
+                self._supersede(request, keys, c, piece.span or self.bpc)
+            saves.append((slot, piece.meta))
+            nbytes += piece.meta.payload_len
+            self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span))
             if announce == c and len(saves) <= room:
                 announce = c + 1
-        record_spill(len(saves) * self.slot_bytes, n_chunks * self.slot_bytes)
+        record_spill(nbytes, n_chunks * self.slot_bytes)
         if saves:
             self._saves[rid] = _Save(saves)
-        return len(saves), announce
+        return nbytes, announce
 
     # -- per step ---------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:

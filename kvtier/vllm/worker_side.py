@@ -154,15 +154,14 @@ class WorkerSide:
                 pinned=self.cfg.host.pinned,
             )
         assert self.host_pool is not None
-        whole = torch.from_numpy(self.host_pool.array)  # the same mapping, no copy
-        # this rank's part of every slot: rows of rank_bytes, each contiguous
-        self.pool = whole.view(num_slots, self.tp_world, self.rank_bytes)[:, tp_rank]
+        # the same mapping, no copy; the copier finds this rank's part of each slot
+        self.pool = torch.from_numpy(self.host_pool.array)
         pinned = self.host_pool.pinned
         issue = self._issue
         if issue is None:
             issue = default_issue(self.views[0].device, len(self.views))
         self._copier = StepCopier(self._batches, self.views, self.pool, self.rank_bytes,
-                                  self.bpc, issue)
+                                  self.bpc, issue, tp_rank, self.tp_world)
         log.info(
             "kvtier worker: %d layers, %d slots of %.1f MiB (TP rank %d of %d), %s, copy "
             "backend %s (%s)",

@@ -36,8 +36,8 @@ def layouts() -> dict[str, KVLayout]:
 
 
 class Op:
-    def __init__(self, slot: int, block_ids: list[int], first: int = 0) -> None:
-        self.slot, self.block_ids, self.first = slot, block_ids, first
+    def __init__(self, slot: int, block_ids: list[int], first: int = 0, span: int = 0) -> None:
+        self.slot, self.block_ids, self.first, self.span = slot, block_ids, first, span
 
 
 #: Loads after slots 0 (blocks 0-3) and 1 (blocks 4-7) were saved: whole and partial.
@@ -147,3 +147,47 @@ def test_gpu_worker_check_runs_on_the_cpu(tmp_path: Path) -> None:
         assert run["round_trip"]["ok"], name
         if not name.endswith("/torch"):
             assert run["bandwidth"]["gbps"]["load"] > 0 and "pipelined" in run["overlap"]["seconds"]
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash"])
+@pytest.mark.parametrize("issue", [LAYERS, "whole"], ids=["per-layer", "whole"])
+def test_a_partial_tail_is_packed_at_the_slot_start_for_every_tp_rank(
+    target: Target, name: str, issue: Issue
+) -> None:
+    """Two TP ranks save a 2-block tail of a 4-block chunk into one shared slot: each
+    rank's part is half its whole-chunk part, packed rank after rank from the slot's
+    start, and nothing else of the slot is written; loads (whole span and one block of
+    it) restore the exact bytes on each rank."""
+    layout = layouts()[name]
+    gen = torch.Generator().manual_seed(5)
+    part = layout.chunk_bytes(LAYERS, BPC)  # one rank's whole chunk
+    pool = target.new_chunk(3 * 2 * part)
+    if pool.is_cuda:
+        pytest.skip("the host pool is host memory")
+    pool.fill_(0xAA)
+    ranks = []
+    for r in range(2):
+        caches = [torch.randn(layout.shape, generator=gen).to(layout.dtype).to(target.device)
+                  for _ in range(LAYERS)]
+        views = [layout.block_view(t) for t in caches]
+        ranks.append((StepCopier(target.backend, views, pool, part, BPC, issue, r, 2), caches))
+    for copier, _ in ranks:
+        for h in copier.start_saves([Op(1, [2, 3], span=2)]):
+            assert not isinstance(h, SaveFailed)
+            h.wait()
+    slot = pool[2 * part : 4 * part]
+    half = part // 2
+    assert bool((slot[2 * half :] == 0xAA).all())  # only the tail's bytes were written
+    for r, (copier, caches) in enumerate(ranks):
+        assert torch.equal(copier.slot(1, 2), slot[r * half : (r + 1) * half])
+        orig = [c.clone() for c in caches]
+        loads = copier.start_loads([Op(1, [10, 11], span=2), Op(1, [12], first=1, span=2)])
+        loads.finish()
+        synchronize(target.device)
+        assert loads.failed_blocks() == set()
+        for c, o in zip(caches, orig, strict=True):
+            assert torch.equal(blocks(c, layout, [10, 11, 12]), blocks(o, layout, [2, 3, 3]))
+    # a save must cover its whole span; a span beyond the chunk is refused
+    copier = ranks[0][0]
+    bad = copier.start_saves([Op(0, [1], span=2), Op(0, [1, 2, 3, 4, 5], span=5)])
+    assert all(isinstance(s, SaveFailed) for s in bad)

@@ -91,6 +91,49 @@ def test_concurrent_requests_with_preemption_match_reference(fp32: LLMWorker) ->
     assert sum(restored(o) for o in out) > 0
 
 
+def _kv(r: CompletionResult) -> dict[str, Any]:
+    params: dict[str, Any] = (r.kv_transfer_params or {})["kvtier"]
+    return params
+
+
+def test_a_returning_turn_restores_up_to_its_last_full_block(fp32: LLMWorker) -> None:
+    """Partial tails (chunks of 256 tokens, vLLM blocks of 128): turn 1 leaves 2 chunks
+    and a 1-block tail; turn 2 restores all of it (640 tokens, not 512) and equals a
+    recompute; turn 3 finds chunk 2 whole (turn 2 superseded the tail) and restores 768."""
+    prompt = tokens(700, seed=31)
+    r = fp32.generate([prompt], max_tokens=OUT).outputs[0]  # 723 computed: 5 blocks
+    kv = _kv(r)
+    assert kv["tokens"] == 640, "2 whole chunks and a one-block tail are stored"
+    for turn, expect in ((2, 640), (3, 768)):
+        prompt = prompt + r.token_ids + tokens(50, seed=31 + turn)
+        ref = reference(fp32, prompt, f"ref-tail-t{turn}")
+        r = fp32.generate([prompt], max_tokens=OUT, reset_prefix_cache=True).outputs[0]
+        assert restored(r) == expect, f"turn {turn}"
+        assert r.token_ids == ref, f"turn {turn}"
+        assert r.num_cached_tokens == expect  # vLLM's own cache was reset: all from kvtier
+
+
+def test_requests_sharing_a_prefix_restore_their_own_tails(fp32: LLMWorker) -> None:
+    """Two conversations on one new 512-token prefix, sent together, end in different
+    tails; their returns, sent together, each get their own tail (a partial restore on
+    top of vLLM's own prefix-cache hit for one of them)."""
+    shared = tokens(512, seed=41)
+    prompts = [shared + tokens(150, seed=42 + i) for i in range(2)]
+    first = fp32.generate(prompts, max_tokens=OUT).outputs
+    assert [_kv(r)["tokens"] for r in first] == [640, 640]
+    assert _kv(first[0])["last_key"] != _kv(first[1])["last_key"]
+    back = [p + r.token_ids + tokens(40, seed=50 + i)
+            for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    refs = [reference(fp32, p, f"ref-share-{i}") for i, p in enumerate(back)]
+    again = fp32.generate(back, max_tokens=OUT, reset_prefix_cache=True).outputs
+    assert [r.num_cached_tokens for r in again] == [640, 640]
+    assert restored(again[0]) == 640
+    # the second finds the shared chunks in vLLM's own cache (the first just loaded
+    # them) and restores only its own tail, or is scheduled first and restores it all
+    assert restored(again[1]) in (128, 640)
+    assert [r.token_ids for r in again] == refs
+
+
 def test_cache_salt_isolates(fp32: LLMWorker) -> None:
     p = tokens(800, seed=41)
     fp32.generate([p], max_tokens=OUT, cache_salt=["tenant-a"])

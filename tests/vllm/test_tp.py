@@ -174,9 +174,8 @@ def test_a_slot_holds_every_ranks_part_and_commits_only_after_both(engine: Engin
         parts = [whole[r * rank_bytes : (r + 1) * rank_bytes] for r in range(WORLD)]
         assert not np.array_equal(parts[0], parts[1]), "each rank wrote its own heads"
         for r, part in enumerate(parts):
-            mine = engine.ranks[r].worker.pool
-            assert mine is not None
-            assert np.array_equal(part, mine[slot].numpy())
+            mine = engine.ranks[r].worker.copier.slot(slot)  # what rank r copies
+            assert np.array_equal(part, mine.numpy())
 
 
 def test_a_restore_loads_each_ranks_part_and_releases_after_both(engine: Engine) -> None:
