@@ -20,9 +20,14 @@ Three servers, one after the other, the same model and workload:
 * ``no_tails``: the same with ``partial_tails: false``: whole chunks only, so a return also
   recomputes up to ``chunk_tokens - 1`` tokens of its own history.
 
+Question lengths are drawn per round, uniformly within +-50 % of ``--question-tokens``
+(LMCache's questions are text of varying length), so a conversation's end falls anywhere
+within a chunk: with fixed lengths every conversation would end at the same few offsets.
+
 Reported per server: the median and p90 TTFT of returning rounds (round >= 2) and their
-ratio to the ideal's, turn-1 TTFT, and the bytes kvtier wrote to the file tier per round
-(scraped from ``/metrics`` after an idle flush). Targets (issue 22): ``tails`` within
+ratio to the ideal's, turn-1 TTFT, the bytes kvtier wrote to the file tier per round
+(scraped from ``/metrics`` after an idle flush), and the objects the file tier holds at
+the end (whole chunks and tails, read from their headers). Targets (issue 22): ``tails`` within
 1.2x of the ideal at the median and 1.3x at p90.
 
 Writes ``multiround_qa.json`` (summary + machine), ``multiround_qa.jsonl`` (every round)
@@ -48,6 +53,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
+from kvtier.objformat import HEADER_SPAN, CorruptObject, decode_header
 from kvtier.testing.models import preset_model
 from kvtier.testing.servers import APIServer
 from kvtier.vllm.settings import kv_transfer_config
@@ -111,9 +117,33 @@ def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]], list
     system = _tokens(rng, args.system_tokens)
     histories = [_tokens(random.Random(f"{args.seed}:history:{u}"), args.history_tokens)
                  for u in range(args.users)]
-    questions = [[_tokens(random.Random(f"{args.seed}:q:{u}:{r}"), args.question_tokens)
-                  for r in range(args.rounds)] for u in range(args.users)]
+    questions = []
+    for u in range(args.users):
+        rng = random.Random(f"{args.seed}:q:{u}")
+        lo, hi = args.question_tokens // 2, args.question_tokens * 3 // 2
+        questions.append([_tokens(rng, rng.randint(lo, hi)) for _ in range(args.rounds)])
     return system, histories, questions
+
+
+def objects(store: Path) -> dict[str, int]:
+    """What the file tier holds: whole chunks and partial tails (by the header's token
+    count), and their bytes."""
+    out = {"chunks": 0, "tails": 0, "chunk_bytes": 0, "tail_bytes": 0}
+    full = 0
+    metas = []
+    for path in store.rglob("*.kv"):
+        with path.open("rb") as f:
+            try:
+                meta, _ = decode_header(f.read(HEADER_SPAN))
+            except CorruptObject:
+                continue
+        metas.append(meta)
+        full = max(full, meta.num_tokens)
+    for meta in metas:
+        kind = "chunk" if meta.num_tokens == full else "tail"
+        out[kind + "s"] += 1
+        out[kind + "_bytes"] += meta.payload_len
+    return out
 
 
 def kvtier_config(path: Path, store: Path, tails: bool, chunk_tokens: int) -> Path:
@@ -132,8 +162,8 @@ def run_server(run: str, args: argparse.Namespace, model: Path, tmp: Path,
     system, histories, questions = workload(args)
     kvt = None
     blocks = args.ideal_blocks
+    store = tmp / f"store-{run}"
     if run != "ideal":
-        store = tmp / f"store-{run}"
         kvt = kv_transfer_config(kvtier_config(tmp / f"{run}.yaml", store, run == "tails",
                                                 args.chunk_tokens))
         blocks = args.small_blocks
@@ -159,6 +189,7 @@ def run_server(run: str, args: argparse.Namespace, model: Path, tmp: Path,
     restored = metric(text, "kvtier_restored_tokens_total")
     return {
         "gpu_blocks": blocks,
+        "file_objects": objects(store),
         "returning_median_ms": statistics.median(back),
         "returning_p90_ms": statistics.quantiles(back, n=10)[-1],
         "round1_median_ms": statistics.median(first),

@@ -134,6 +134,23 @@ def test_requests_sharing_a_prefix_restore_their_own_tails(fp32: LLMWorker) -> N
     assert [r.token_ids for r in again] == refs
 
 
+def test_a_p_d_hand_off_announces_and_restores_the_tail(fp32: LLMWorker) -> None:
+    """The P/D protocol on one engine: a prefill-style run (1 output token) announces 2
+    chunks and a 1-block tail; the decode-style request carries that announcement as
+    ``expect`` (checked against its own prompt's keys, the tail's included) and restores
+    all 640 tokens, equal to a recompute. Waiting for an announced tail to appear on a
+    shared tier is ``test_tails.py``'s."""
+    prompt = tokens(700, seed=61)
+    ref = reference(fp32, prompt, "ref-pd-tail")
+    kv = _kv(fp32.generate([prompt], max_tokens=1).outputs[0])
+    assert kv["tokens"] == 640
+    expect = {"expect": {k: kv[k] for k in ("namespace", "tokens", "last_key")}}
+    r = fp32.generate([prompt], max_tokens=OUT, reset_prefix_cache=True,
+                      kv_transfer_params=[{"kvtier": expect}]).outputs[0]
+    assert restored(r) == 640  # the announced chunks and tail, from host or file tier
+    assert r.token_ids == ref
+
+
 def test_cache_salt_isolates(fp32: LLMWorker) -> None:
     p = tokens(800, seed=41)
     fp32.generate([p], max_tokens=OUT, cache_salt=["tenant-a"])
