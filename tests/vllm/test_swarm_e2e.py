@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 
 OUT = 24
 CT = 256
+BS = 128  # vLLM's CPU block size: a conversation's tail is stored down to it
 N = 4
 
 
@@ -50,13 +51,13 @@ def test_a_swarm_on_a_new_prefix_keeps_every_conversations_own_chunks(
     prompts = [system + tokens(600, seed=910 + i) for i in range(N)]
     # All N in one batch: same length, same output length, so they finish in one step.
     first = engine.generate(prompts, max_tokens=OUT).outputs
-    for r in first:
-        assert _kvtier(r)["tokens"] == (len(prompts[0]) + OUT - 1) // CT * CT
+    for r in first:  # whole chunks, then the tail's full blocks
+        assert _kvtier(r)["tokens"] == (len(prompts[0]) + OUT - 1) // BS * BS
     for i, (p, r) in enumerate(zip(prompts, first, strict=True)):
         back = p + r.token_ids + tokens(50, seed=920 + i)  # the conversation returns
         ref = _reference(engine, back, f"swarm-ref-{i}")
         got = engine.generate([back], max_tokens=OUT).outputs[0]
-        own = (len(p) + OUT - 1) // CT * CT  # every full chunk it stored
+        own = (len(p) + OUT - 1) // BS * BS  # every full chunk and block it stored
         assert _kvtier(got)["restored_tokens"] == own, f"conversation {i}"
         assert got.token_ids == ref, f"conversation {i}"
 
