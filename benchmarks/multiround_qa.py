@@ -53,6 +53,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
+from benchmarks.multiturn_pd import Reply, stream_completion
 from kvtier.objformat import HEADER_SPAN, CorruptObject, decode_header
 from kvtier.testing.models import preset_model
 from kvtier.testing.servers import APIServer
@@ -78,26 +79,11 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
 
 
-def stream(client: httpx.Client, url: str, prompt: list[int], max_tokens: int
-           ) -> tuple[float, float, list[int]]:
-    """One streamed completion: (TTFT s, total s, output token ids)."""
+def stream(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> Reply:
+    """One streamed, greedy completion of ``prompt`` (TTFT: the first SSE data event)."""
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    ids: list[int] = []
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"server answered {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            for choice in json.loads(line[6:]).get("choices", []):
-                ids += choice.get("token_ids") or []
-    total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total, ids
+    return stream_completion(client, url, body)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -177,9 +163,10 @@ def run_server(run: str, args: argparse.Namespace, model: Path, tmp: Path,
         for r in range(args.rounds):
             for u in range(args.users):
                 prompt = convs[u] + questions[u][r]
-                ttft, total, out = stream(client, server.url, prompt, args.answer_tokens)
-                mine.append(Round(run, u, r + 1, len(prompt), ttft * 1e3, total * 1e3))
-                convs[u] = prompt + out
+                reply = stream(client, server.url, prompt, args.answer_tokens)
+                mine.append(Round(run, u, r + 1, len(prompt), reply.ttft_s * 1e3,
+                                  reply.total_s * 1e3))
+                convs[u] = prompt + reply.token_ids
         time.sleep(args.flush_wait)  # the idle flush writes what is dirty: count it
         text = client.get(server.url + "/metrics").text
     rows += mine

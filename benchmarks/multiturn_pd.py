@@ -171,7 +171,7 @@ def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> R
     ids: list[int] = []
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"router answered {r.status_code}: {r.read()[:500]!r}")
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.read()[:500]!r}")
         headers = dict(r.headers)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -653,8 +653,6 @@ class SchedulerSide:
         tiers keep what they were given (write-through tails of a P/D node; spilled ones)
         until their collection: a shared tier may serve another node's request. Memory
         only: at most ``blocks_per_chunk - 1`` keys hashed."""
-        if chunk * self.ct >= request.num_tokens:
-            return
         drop = [self._tail_key(request, keys, chunk, k) for k in range(1, blocks)]
         self.store.discard(drop)
 
