@@ -27,7 +27,10 @@ Modes:
 
 * ``--url URL``: run the plan once against an existing endpoint.
 * ``--launch``: start vLLM without kvtier, run the plan, stop it; start vLLM with kvtier
-  (host + file tier in a temp dir), run the same plan, stop it; compare.
+  (host + file tier in a temp dir), run the same plan, stop it; compare. ``--runs`` may add
+  ``ideal``: vLLM alone with a KV cache that holds every agent's whole conversation at once
+  (``ideal_kv_blocks``), the bound a tier can at best reach: it never evicts, so every
+  returning turn pays only for its new tokens and the unfilled rest of its last block.
 
 Per turn (``<tag>.jsonl``): agent, turn, send time, time to response headers (vLLM does not
 report per-request queue wait in the stream, so ``headers_s`` stands in), TTFT (first
@@ -116,12 +119,14 @@ def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings
     cfg = json.loads((model / "config.json").read_text())
     dtype = args.dtype or str(cfg.get("torch_dtype") or "float32")
     kv_blocks = args.kv_blocks or launch.kv_blocks
+    ideal_blocks = ideal_kv_blocks(w)
     max_len = args.max_model_len or int(math.ceil((w.max_context() + 64) / BLOCK_SIZE) * BLOCK_SIZE)
     states: dict[str, RunState] = {}
     telem: dict[str, list[Any]] = {}
     startup: dict[str, float] = {}
     warmup: dict[str, float] = {}
     info: dict[str, Any] = {"model": str(model), "dtype": dtype, "kv_blocks": kv_blocks,
+                            "ideal_kv_blocks": ideal_blocks,
                             "block_size": BLOCK_SIZE, "max_model_len": max_len,
                             "startup_s": startup, "warmup_s": warmup}
     for run in args.runs.split(","):
@@ -132,11 +137,14 @@ def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings
             if run == "kvtier":
                 kvt = kv_transfer_config(tier_config(work / "kvtier.yaml", work / "store",
                                                    args.host_capacity, args.max_dirty_seconds))
+            elif run != "no_tier" and run != "ideal":
+                raise SystemExit(f"--runs: unknown run {run!r}; use no_tier, kvtier or ideal")
+            n_blocks = ideal_blocks if run == "ideal" else kv_blocks
             srv = APIServer(work, model=model, name=run, dtype=dtype, max_model_len=max_len,
-                            kv_transfer_config=kvt, num_gpu_blocks_override=kv_blocks,
+                            kv_transfer_config=kvt, num_gpu_blocks_override=n_blocks,
                             block_size=BLOCK_SIZE)
             t = time.monotonic()
-            print(f"[{run}] starting vLLM ({model.name}, {kv_blocks} blocks) ...", flush=True)
+            print(f"[{run}] starting vLLM ({model.name}, {n_blocks} blocks) ...", flush=True)
             stack.enter_context(srv)
             startup[run] = round(time.monotonic() - t, 1)
             t = time.monotonic()
@@ -148,6 +156,13 @@ def launch_and_run(args: argparse.Namespace, w: Workload, launch: LaunchSettings
             states[run], telem[run] = asyncio.run(
                 run_plan(srv.url, "model", plans, w, run, args.telemetry_s))
     return states, telem, info
+
+
+def ideal_kv_blocks(w: Workload) -> int:
+    """KV blocks for the ``ideal`` run: every agent's longest context (and its answer) at
+    once, in whole blocks, plus a few for the warm-up prompts, so vLLM never evicts a
+    conversation it will see again."""
+    return w.agents * math.ceil((w.max_context() + 64) / BLOCK_SIZE) + 8
 
 
 def workload_from_args(args: argparse.Namespace) -> tuple[Workload, LaunchSettings]:
@@ -203,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--host-capacity", default="2GiB")
     lg.add_argument("--max-dirty-seconds", type=float, default=None,
                     help="kvtier's max_dirty_seconds (default: the config default)")
-    lg.add_argument("--runs", default="no_tier,kvtier", help="which servers, in order")
+    lg.add_argument("--runs", default="no_tier,kvtier",
+                    help="which servers, in order: no_tier, kvtier, ideal")
     lg.add_argument("--workdir", default=None)
     lg.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))
     return ap

@@ -86,3 +86,19 @@ def test_agents_smoke_against_kvtier(kvtier_server: APIServer, tmp_path: Path) -
     assert summary["workload"]["agents"] == 2 and summary["machine"]["cores"]
     assert (tmp_path / "agents_smoke.png").stat().st_size > 0
     assert (tmp_path / "agents_smoke.md").read_text().count("| kvtier |") == 1
+
+
+def test_ideal_run_holds_every_agent_and_is_compared() -> None:
+    from benchmarks.agentsim.plan import BLOCK_SIZE
+    from benchmarks.agentsim.report import compare
+
+    w, launch = PRESETS["cpu"]
+    n = agents.ideal_kv_blocks(w)
+    assert n * BLOCK_SIZE >= w.agents * (w.max_context() + 64) > launch.kv_blocks * BLOCK_SIZE
+    row = {"turns": 1, "errors": 0, "returning_before": 1, "returning_after": 1,
+           "median_ttft_returning_before_s": 0.1, "median_ttft_first_turn_s": 1.0}
+    checks, table = compare({"no_tier": {**row, "median_ttft_returning_after_s": 5.0},
+                             "kvtier": {**row, "median_ttft_returning_after_s": 0.3},
+                             "ideal": {**row, "median_ttft_returning_after_s": 0.2}})
+    assert ("kvtier after / ideal after <= 1.2x", pytest.approx(1.5), False) in checks
+    assert "| ideal |" in table
