@@ -56,7 +56,7 @@ typecheck: $(STAMPS)/venv
 
 # KVTIER_REQUIRE_CEPH=1: a missing Ceph fails the run instead of skipping its tests.
 unit: $(STAMPS)/venv native ceph
-	KVTIER_REQUIRE_CEPH=1 $(PY) -m pytest -q
+	KVTIER_REQUIRE_CEPH=1 $(PY) -m pytest -q --durations=25
 
 test: $(STAMPS)/venv native cuda-check lint typecheck unit
 
