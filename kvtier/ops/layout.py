@@ -220,7 +220,8 @@ def layout_from_backend(
         return KVLayout(shape, _legacy_stride_order(backend_cls, len(shape)), changed[0], dtype)
 
     layout = kv_cache_layout if kv_cache_layout is not None else _preferred_layout(backend_cls)
-    shape = (num_blocks, num_kv_heads, block_size, head_size + (head_size_v or head_size))
+    v = head_size if head_size_v is None else head_size_v
+    shape = (num_blocks, num_kv_heads, block_size, head_size + v)
     if layout is None:
         return KVLayout(shape, (0, 1, 2, 3), 0, dtype)
     order5 = tuple(layout.stride_order)

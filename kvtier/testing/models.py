@@ -55,6 +55,11 @@ CHAT_TEMPLATE: Final = (
 )
 
 _DTYPES: Final = ("float32", "bfloat16", "float16")
+_ARCHES: Final = ("llama", "deepseek_v2")
+
+#: DeepSeek-V2's MLA sizes: the latent (``kv_lora_rank``) and the decoupled RoPE key.
+MLA_KV_LORA_RANK: Final = 512
+MLA_ROPE_DIM: Final = 64
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ class TinyLlamaSpec:
     seed: int = 0
     #: ``None``: ``hidden // heads`` if CPU_ATTN supports it, else the next supported size.
     head_dim: int | None = None
+    #: ``"llama"``, or ``"deepseek_v2"``: the same sizes as a dense DeepSeek-V2 with MLA
+    #: (a 576-wide latent KV per token and layer, one "head"; vLLM's CPU MLA backend
+    #: accepts only that width), for the MLA tests
+    arch: str = "llama"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -83,6 +92,8 @@ class TinyLlamaSpec:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads")
         if self.vocab < 300:
             raise ValueError(f"vocab must be at least 300 (256 bytes + specials), got {self.vocab}")
+        if self.arch not in _ARCHES:
+            raise ValueError(f"arch must be one of {_ARCHES}, got {self.arch!r}")
         if self.head_dim is not None and self.head_dim not in CPU_ATTN_HEAD_SIZES:
             raise ValueError(
                 f"head_dim {self.head_dim} is not supported by vLLM's CPU attention "
@@ -110,14 +121,19 @@ class TinyLlamaSpec:
         return self.layers * (attn + mlp + norms) + 2 * self.vocab * d + d
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, in the model dtype."""
+        """Bytes of K and V (MLA: the latent) per token over all layers, in the model dtype."""
         itemsize = 4 if self.dtype == "float32" else 2
+        if self.arch == "deepseek_v2":
+            return self.layers * (MLA_KV_LORA_RANK + MLA_ROPE_DIM) * itemsize
         return 2 * self.layers * self.kv_heads * self.resolved_head_dim * itemsize
 
     def config_hash(self) -> str:
         """Stable hash of the spec and the builder version (hex, 16 chars)."""
+        spec = asdict(self)
+        if self.arch == "llama":
+            del spec["arch"]  # the hash of every Llama built before ``arch`` existed
         payload = json.dumps(
-            {"builder": BUILDER_VERSION, "spec": asdict(self), "head_dim": self.resolved_head_dim},
+            {"builder": BUILDER_VERSION, "spec": spec, "head_dim": self.resolved_head_dim},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -170,6 +186,16 @@ def build_tiny_llama(
         head_dim=head_dim,
     )
     return build_from_spec(path, spec)
+
+
+def build_tiny_deepseek_v2(
+    path: str | os.PathLike[str], *, dtype: str = "float32", layers: int = 2, seed: int = 0
+) -> Path:
+    """Build (or reuse) a random-weight dense DeepSeek-V2 (MLA attention, no experts) at
+    ``path``: tiny everywhere except its 576-wide latent KV."""
+    return build_from_spec(path, TinyLlamaSpec(dtype=dtype, hidden=128, layers=layers,
+                                               heads=2, kv_heads=2, intermediate=256,
+                                               seed=seed, arch="deepseek_v2"))
 
 
 def build_bench_llama(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
@@ -234,10 +260,52 @@ def _lock(target: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _deepseek_v2_config(spec: TinyLlamaSpec) -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        # Dense: the first ``first_k_dense_replace`` layers (all of them) are plain MLPs;
+        # the expert sizes are only there to satisfy the config's validation.
+        n_routed_experts=2,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=spec.layers,
+        max_position_embeddings=spec.max_pos,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        architectures=["DeepseekV2ForCausalLM"],
+    )
+
+
 def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if spec.arch == "deepseek_v2":
+        config = _deepseek_v2_config(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            ds = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        ds = ds.to(getattr(torch, spec.dtype))
+        ds.config.dtype = getattr(torch, spec.dtype)
+        ds.save_pretrained(out, safe_serialization=True)
+        (out / "generation_config.json").unlink(missing_ok=True)
+        return
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,

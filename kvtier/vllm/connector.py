@@ -127,7 +127,8 @@ class KVTierConnector(KVConnectorBase_V1):
             # The worker registered its KV caches (and published this) before vLLM
             # constructs the scheduler; see the module docstring.
             physical = read_all_physical(path, engine_id=self._engine_id, tp_world=tp_world,
-                                         slot_bytes=geometry.chunk_bytes(cfg.chunk_tokens))
+                                         slot_bytes=geometry.chunk_bytes(cfg.chunk_tokens),
+                                         replicated=geometry.replicated)
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)

@@ -60,9 +60,20 @@ class Geometry:
     block_size: int
     page_bytes: int  # one block of one layer, on one TP rank
     kv_dtype: str
-    #: TP ranks whose bytes a chunk holds, one after the other (rank 0 first); each rank
-    #: has ``num_kv_heads`` of the model's heads
+    #: TP ranks of the engine; unless ``replicated``, a chunk holds every rank's bytes,
+    #: one after the other (rank 0 first), and each rank has ``num_kv_heads`` of the
+    #: model's heads
     tp_world: int = 1
+    #: every rank holds the same KV (MLA's latent): a chunk is one copy, written by rank 0
+    #: and read by every rank, so it does not depend on the TP size
+    replicated: bool = False
+    #: V's head size when it is not ``head_size`` (0 for MLA: the latent has no V)
+    head_size_v: int | None = None
+
+    @property
+    def slot_ranks(self) -> int:
+        """How many ranks' parts a chunk (a host slot, an object) holds."""
+        return 1 if self.replicated else self.tp_world
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
         if chunk_tokens % self.block_size:
@@ -78,7 +89,7 @@ class Geometry:
 
     def chunk_bytes(self, chunk_tokens: int) -> int:
         """A whole chunk, every rank's part: a host slot, one object in every tier."""
-        return self.tp_world * self.rank_chunk_bytes(chunk_tokens)
+        return self.slot_ranks * self.rank_chunk_bytes(chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -96,12 +107,12 @@ class PhysicalKV:
 
 
 def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Geometry:
-    """The geometry of a single-group, full-attention ``KVCacheConfig`` (this rank's
-    heads; ``tp_world`` ranks of them make a chunk). ``TierError`` naming the model's
-    shape and what to do for any other: kvtier knows which blocks of full-attention
-    layers hold a prefix; for other specs (a sliding window's out-of-window blocks are
-    vLLM's null block, MLA's latent is one copy on every rank) it would store or restore
-    the wrong bytes."""
+    """The geometry of a single-group ``KVCacheConfig`` of full attention (this rank's
+    heads; ``tp_world`` ranks of them make a chunk) or dense MLA (one latent per token,
+    the same on every rank: ``replicated``). ``TierError`` naming the model's shape and
+    what to do for any other: kvtier knows which blocks of these layers hold a prefix;
+    for other specs (a sliding window's out-of-window blocks are vLLM's null block) it
+    would store or restore the wrong bytes."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
@@ -113,7 +124,9 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
         )
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
-    if kind != "FullAttentionSpec":
+    if kind == "MLAAttentionSpec":
+        _check_mla(spec)
+    elif kind != "FullAttentionSpec":
         raise TierError(_SPEC_REFUSED.get(kind, _SPEC_OTHER).format(kind=kind))
     for attr in ("num_kv_heads", "head_size", "block_size", "page_size_bytes", "dtype"):
         if not hasattr(spec, attr):
@@ -126,7 +139,30 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
         page_bytes=int(spec.page_size_bytes),
         kv_dtype=str(spec.dtype).removeprefix("torch."),
         tp_world=tp_world,
+        replicated=kind == "MLAAttentionSpec",
+        head_size_v=_head_size_v(spec),
     )
+
+
+def _head_size_v(spec: Any) -> int | None:
+    v = getattr(spec, "head_size_v", None)
+    return None if v is None or int(v) == int(spec.head_size) else int(v)
+
+
+def _check_mla(spec: Any) -> None:
+    """Dense MLA (DeepSeek-V2/V3's latent cache, every token's latent in its block) is
+    stored like full attention, one copy for all ranks. Sparse and padded variants
+    (DeepSeek-V3.2/V4: an indexer cache, aligned or compressed states) lay blocks out
+    otherwise and are refused."""
+    odd = {name: getattr(spec, name, None) for name in ("alignment", "model_version")}
+    odd = {k: v for k, v in odd.items() if v is not None}
+    if getattr(spec, "is_index_group_leader", False):
+        odd["is_index_group_leader"] = True
+    if odd:
+        raise TierError(
+            f"kvtier supports dense MLA caches (DeepSeek-V2/V3); this model's MLA cache has "
+            f"{odd} (a sparse or padded variant, e.g. DeepSeek-V3.2/V4). Run it without kvtier"
+        )
 
 
 _SPEC_OTHER = (
@@ -143,10 +179,6 @@ _SPEC_REFUSED = {
     "ChunkedLocalAttentionSpec": (
         "kvtier does not support a model whose layers are all chunked-local attention "
         "({kind}): out-of-chunk blocks are vLLM's null block. Run it without kvtier"
-    ),
-    "MLAAttentionSpec": (
-        "kvtier does not support MLA models yet ({kind}: one latent KV per token, "
-        "replicated on every TP rank); run this model without kvtier"
     ),
 }
 
@@ -396,6 +428,8 @@ def namespace_for(
     mc = vllm_config.model_config
     load_config = getattr(vllm_config, "load_config", None)
     tp_rank, tp_world = tp_placement(vllm_config)
+    if geometry.replicated:  # one copy, whatever the TP size: shared across TP sizes
+        tp_rank, tp_world = 0, 1
     quant = getattr(mc, "quantization", None)
     dtype = getattr(mc, "dtype", None)
     return Namespace(

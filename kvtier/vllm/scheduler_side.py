@@ -277,16 +277,16 @@ class SchedulerSide:
         # every TP rank's part, rank after rank (one rank: the pre-TP shape, so objects
         # stored before TP support stay readable)
         shape: tuple[int, ...] = (self.geom.num_layers, self.bpc, self.geom.page_bytes)
-        if self.geom.tp_world > 1:
-            shape = (self.geom.tp_world, *shape)
+        if self.geom.slot_ranks > 1:
+            shape = (self.geom.slot_ranks, *shape)
         return ChunkSpec(ns, self.ct, self.geom.kv_dtype, shape, self.slot_bytes)
 
     def _tail_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
         """What a tail of ``blocks`` blocks must be: every rank's first ``blocks`` blocks
         of every layer, packed (``StepCopier.slot``), and nothing else."""
         shape: tuple[int, ...] = (self.geom.num_layers, blocks, self.geom.page_bytes)
-        if self.geom.tp_world > 1:
-            shape = (self.geom.tp_world, *shape)
+        if self.geom.slot_ranks > 1:
+            shape = (self.geom.slot_ranks, *shape)
         return ChunkSpec(ns, blocks * self.bs, self.geom.kv_dtype, shape,
                          self.slot_bytes // self.bpc * blocks)
 

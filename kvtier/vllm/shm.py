@@ -191,12 +191,14 @@ def read_physical(pool: Path, *, engine_id: str, tp_rank: int, slot_bytes: int) 
 
 
 def read_all_physical(
-    pool: Path, *, engine_id: str, tp_world: int, slot_bytes: int
+    pool: Path, *, engine_id: str, tp_world: int, slot_bytes: int, replicated: bool = False
 ) -> PhysicalKV:
     """Scheduler: every rank's ``PhysicalKV`` (``read_physical``), as one. The ranks of an
     engine build their caches alike, so their layouts and cache dtypes must agree
     (``TierError`` otherwise); the scales digest covers every rank's scales, in rank
-    order (rank 0's alone at TP 1)."""
+    order (rank 0's alone at TP 1). A ``replicated`` cache (MLA: every rank holds the
+    same KV, stored once) must have the same scales on every rank, and its digest is
+    rank 0's, so that engines of any TP size share its objects."""
     ranks = [read_physical(pool, engine_id=engine_id, tp_rank=r, slot_bytes=slot_bytes)
              for r in range(tp_world)]
     first = ranks[0]
@@ -208,6 +210,11 @@ def read_all_physical(
                 f"({first.kv_cache_dtype}); every rank must use one attention backend"
             )
     if tp_world == 1:
+        return first
+    if replicated:
+        if any(p.kv_scales != first.kv_scales for p in ranks):
+            raise TierError("kvtier: the TP ranks of this MLA model registered different KV "
+                            "scales for one replicated cache; run it without kvtier")
         return first
     scales = hashlib.sha256("|".join(p.kv_scales for p in ranks).encode()).hexdigest()[:32]
     return PhysicalKV(first.kv_layout, first.kv_cache_dtype, scales)

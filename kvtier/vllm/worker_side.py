@@ -111,7 +111,10 @@ class WorkerSide:
         """Resolve the KV layout and map the host pool. At TP > 1 (``geometry.tp_world``)
         rank 0 creates the pool, ``barrier()`` (the TP group's, on every rank) orders
         that before the other ranks attach, and this rank copies only its part of each
-        slot (``rank_bytes`` at offset ``tp_rank * rank_bytes``)."""
+        slot (``rank_bytes`` at offset ``tp_rank * rank_bytes``). A ``replicated`` cache
+        (MLA) has one part: every rank loads it, and only rank 0 saves it (the other
+        ranks report their saves done at once, so a save still commits on every rank's
+        ack)."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise TierError(f"kvtier: KV caches missing for layers {missing[:3]}")
@@ -122,6 +125,7 @@ class WorkerSide:
             block_size=self.geom.block_size,
             num_kv_heads=self.geom.num_kv_heads,
             head_size=self.geom.head_size,
+            head_size_v=self.geom.head_size_v,
             dtype=first.dtype,
             kv_cache_layout=kv_cache_layout,
         )
@@ -137,7 +141,8 @@ class WorkerSide:
         if not 0 <= tp_rank < self.tp_world:
             raise TierError(f"kvtier: TP rank {tp_rank} outside a world of {self.tp_world}")
         self.tp_rank = tp_rank
-        self.slot_bytes = self.rank_bytes * self.tp_world
+        parts = self.geom.slot_ranks
+        self.slot_bytes = self.rank_bytes * parts
         num_slots = HostPool.slots_for(self.cfg.host.capacity, self.slot_bytes)
         # Sized, faulted in and page-locked as configured (`pinned: yes` fails here); the
         # scheduler side maps the same file with HostPool.attach_shm and the same count.
@@ -161,7 +166,7 @@ class WorkerSide:
         if issue is None:
             issue = default_issue(self.views[0].device, len(self.views))
         self._copier = StepCopier(self._batches, self.views, self.pool, self.rank_bytes,
-                                  self.bpc, issue, tp_rank, self.tp_world)
+                                  self.bpc, issue, tp_rank if parts > 1 else 0, parts)
         log.info(
             "kvtier worker: %d layers, %d slots of %.1f MiB (TP rank %d of %d), %s, copy "
             "backend %s (%s)",
@@ -245,6 +250,9 @@ class WorkerSide:
         return seconds
 
     def _start_saves(self, ops: list[CopyOp]) -> None:
+        if self.geom.replicated and self.tp_rank != 0:
+            self._saved.update(op.req_id for op in ops)  # rank 0 writes the one copy
+            return
         for op, result in zip(ops, self.copier.start_saves(ops), strict=True):
             if isinstance(result, SaveFailed):
                 if op.req_id not in self._failed:

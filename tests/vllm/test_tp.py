@@ -257,7 +257,7 @@ def test_full_attention_is_accepted_with_its_tp_world() -> None:
 @pytest.mark.parametrize(("kind", "hint"), [
     ("sliding", "--disable-sliding-window"),
     ("chunked", "chunked-local"),
-    ("mla", "MLA"),
+    ("sparse-mla", "sparse or padded"),
 ])
 def test_other_kv_cache_specs_are_refused_with_what_to_do(kind: str, hint: str) -> None:
     from vllm.v1.kv_cache_interface import (
@@ -276,9 +276,35 @@ def test_other_kv_cache_specs_are_refused_with_what_to_do(kind: str, hint: str) 
     elif kind == "chunked":
         spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
     else:
-        spec = MLAAttentionSpec(**common)
+        spec = MLAAttentionSpec(**common, model_version="deepseek_v4")
     with pytest.raises(TierError, match=hint):
         geometry_from_kv_cache_config(_config(spec))
+
+
+def test_dense_mla_is_one_copy_for_every_tp_size() -> None:
+    """MLA's latent is the same on every rank: a chunk is one rank's bytes (rank 0 writes
+    it, every rank reads it), and the namespace does not depend on the TP size, so engines
+    of any TP size share the objects."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvtier.vllm.geometry import PhysicalKV, geometry_from_kv_cache_config, namespace_for
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    g1 = geometry_from_kv_cache_config(_config(spec), tp_world=1)
+    g2 = geometry_from_kv_cache_config(_config(spec), tp_world=2)
+    assert g2.replicated and g2.tp_world == 2 and g2.slot_ranks == 1
+    assert g2.head_size_v == 0
+    assert g2.chunk_bytes(32) == g2.rank_chunk_bytes(32) == g1.chunk_bytes(32)
+    assert g1.chunk_bytes(32) == 2 * spec.page_size_bytes
+    phys = PhysicalKV("CPU_MLA;shape=*,16,576", "auto", "none")
+
+    def ns(tp: int, g: Any) -> bytes:
+        cfg = SimpleNamespace(
+            model_config=SimpleNamespace(model="m", quantization=None, dtype=torch.float32),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, rank=tp - 1))
+        return namespace_for(cfg, g, 32, physical=phys, fingerprint="f").digest()
+
+    assert ns(1, g1) == ns(2, g2)
 
 
 def test_several_kv_cache_groups_are_refused_naming_them() -> None:

@@ -6,6 +6,9 @@ file tier. A prompt's first run computes it (the reference: kvtier moves bytes, 
 changes how they are computed); after the host tier and vLLM's prefix cache are reset it
 is restored from the file tier, with one object per chunk holding both ranks' parts, and
 gives the same greedy tokens.
+
+A second engine runs a tiny DeepSeek-V2 (MLA) at TP=2: its latent KV is the same on both
+ranks, so a chunk is stored once.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.testing.engines import LLMWorker, tokens
+from kvtier.testing.models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
 from tests.vllm.conftest import write_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
@@ -64,4 +68,48 @@ def test_tp2_restores_a_returning_prompt_from_one_object_per_chunk(
     engine.reset_until_done()
     got = engine.generate([turn], max_tokens=OUT).outputs[0]
     assert restored(got) == 3 * CT
+    assert got.token_ids == ref.token_ids
+
+
+# -- MLA (DeepSeek-V2's latent cache): one copy for every rank ---------------------------
+@pytest.fixture(scope="module")
+def mla_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mla-store")
+
+
+@pytest.fixture(scope="module")
+def mla_engine(engine_factory: Callable[..., LLMWorker], mla_store: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
+    model = build_tiny_deepseek_v2(tmp_path_factory.mktemp("models") / "ds2-fp32")
+    cfg = write_config(
+        tmp_path_factory.mktemp("cfg") / "mla.yaml",
+        [{"file": {"path": str(mla_store), "capacity": "1GiB", "write": "through"}}],
+        chunk_tokens=CT, reset_cache="host",
+    )
+    return engine_factory(model, cfg, tensor_parallel_size=2,
+                          extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def test_mla_tp2_stores_one_copy_written_by_rank_0_and_every_rank_restores_it(
+    mla_engine: LLMWorker, mla_store: Path,
+) -> None:
+    """DeepSeek-V2 (MLA) at TP=2: each chunk's object holds the latent once (not once per
+    rank), and a returning conversation restored from the file tier gives the tokens of a
+    recompute."""
+    p = tokens(2 * CT + 60, seed=1903)
+    first = mla_engine.generate([p], max_tokens=OUT).outputs[0]
+    assert restored(first) == 0
+    mla_engine.reset_until_done()
+    layers = 2
+    latent = CT * layers * (MLA_KV_LORA_RANK + MLA_ROPE_DIM) * 4  # fp32, one copy
+    sizes = sorted(f.stat().st_size for f in mla_store.rglob("*.kv"))
+    # two whole chunks, each the latent once (the header is small), and the partial tail
+    assert len(sizes) == 3 and sizes[0] < latent
+    assert all(latent <= n < latent + 64 * 1024 for n in sizes[1:])
+    turn = p + first.token_ids + tokens(30, seed=1904)
+    ref = mla_engine.generate([turn], max_tokens=OUT, cache_salt=["mla-ref"]).outputs[0]
+    mla_engine.reset_until_done()
+    got = mla_engine.generate([turn], max_tokens=OUT).outputs[0]
+    assert restored(got) > 2 * CT  # the chunks and the tail, down to the last block
+    assert tiers_used(got) == {"file1"}
     assert got.token_ids == ref.token_ids
