@@ -158,6 +158,7 @@ async def harness(prefill: Backend | None = None, decode: Backend | None = None,
         renewed.append(last_key)
         return 3
 
+    settings.setdefault("pd_mode", "always")  # most tests are about the P/D hand-off
     cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
                          decode=decode_urls or (str(servers[1].make_url("")),), **settings)
     app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer,
