@@ -4,11 +4,14 @@ bounded lease heartbeat (fakes in ``tests.router.fakes``)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from kvtier.clock import ManualClock
+from kvtier.router import add_arguments, settings_from_args
 from kvtier.router.app import ROUTER_KEY
 from kvtier.router.conversations import ConversationMap
 from tests.router.fakes import harness, post, run
@@ -149,3 +152,34 @@ def test_a_chain_unrenewed_for_a_lease_is_counted_lapsed_once() -> None:
                 text = await resp.text()
             assert "kvtier_router_leases_lapsed_total 1.0" in text
     run(scenario)
+
+
+def test_the_new_flags_reach_the_settings_and_bad_values_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    urls = ["--prefill", "http://p", "--decode", "http://d"]
+    s = settings_from_args(parser.parse_args([
+        *urls, "--pd-mode", "never", "--pd-default-threshold", "64",
+        "--pd-max-direct-tokens", "1024", "--max-body-bytes", "4096", "--body-timeout", "2.5",
+        "--max-conversations", "10", "--renew-concurrency", "3",
+        "--tenants", str(tmp_path / "t.yaml")]))
+    assert (s.pd_mode, s.pd_default_threshold, s.pd_max_direct_tokens) == ("never", 64, 1024)
+    assert (s.max_body_bytes, s.body_timeout, s.max_conversations) == (4096, 2.5, 10)
+    assert (s.renew_concurrency, s.tenants) == (3, tmp_path / "t.yaml")
+    assert settings_from_args(parser.parse_args(urls)).pd_mode == "auto"
+    for flag, value, needle in (("--body-timeout", "0", "body_timeout"),
+                                ("--max-conversations", "0", "max_conversations"),
+                                ("--pd-max-direct-tokens", "-1", "pd_max_direct_tokens")):
+        with pytest.raises(ValueError, match=needle):
+            settings_from_args(parser.parse_args([*urls, flag, value]))
+    with pytest.raises(SystemExit):
+        parser.parse_args([*urls, "--pd-mode", "sometimes"])
+    capsys.readouterr()
+    from kvtier.cli import EXIT_USAGE, main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("keys: {sk-0123456789abcdef: 'no spaces allowed'}\n")
+    assert main(["router", *urls, "--tenants", str(bad)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"tenants file {bad}: keys entry 1" in err and "sk-0123456789abcdef" not in err
