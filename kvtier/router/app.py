@@ -4,7 +4,8 @@ The HTTP contract is in ``protocol``, backend choice and status mapping in ``bac
 authentication and the concurrency limit in ``guard``, tenants in ``tenants``, the path
 decision in ``selective``, lease renewal and the heartbeat in ``leases``, ``/health`` in
 ``health``, the per-request record and Prometheus metrics in ``metrics``; this module
-holds the ``Router`` that ties them together, and ``build_app``.
+holds the ``Router`` that ties them together, and ``build_app``; ``planner`` holds the
+per-turn path state (estimate, costs, queued tokens).
 
 Invariants:
 
@@ -62,11 +63,12 @@ from aiohttp.typedefs import Middleware
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.router import RouterSettings
 from kvtier.router.backends import BackendPool, Role, check_status
-from kvtier.router.conversations import ConversationMap, ConversationState, TokenAnchor
+from kvtier.router.conversations import ConversationMap
 from kvtier.router.guard import TENANT, Authenticator, ConcurrencyLimit, bearer_token, require_key
 from kvtier.router.health import HealthCache
 from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, TierRenewer
 from kvtier.router.metrics import RouterMetrics, Turn
+from kvtier.router.planner import Planner
 from kvtier.router.protocol import (
     AUTHORIZATION,
     PATHS,
@@ -83,7 +85,6 @@ from kvtier.router.protocol import (
     prefill_body,
     read_body,
 )
-from kvtier.router.selective import Estimator, Loads, PathCosts, PathDecision, decide
 from kvtier.router.tenants import TenantRegistry, salt_of
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,11 @@ class Router:
             "prefill": BackendPool("prefill", s.prefill, s.backend_cooldown, clock),
             "decode": BackendPool("decode", s.decode, s.backend_cooldown, clock),
         }
-        self.costs = PathCosts(s.pd_default_threshold, s.pd_max_direct_tokens)
-        self.estimator = Estimator()
-        self.in_flight_tokens = {"prefill": 0.0, "decode_only": 0.0}  # uncached, queued
+        self.planner = Planner(s, self.conversations)
         self.metrics = RouterMetrics(lambda: len(self.conversations),
                                      lambda: self.limit.in_flight,
                                      lambda: self.conversations.evictions,
-                                     lambda: float(self.costs.threshold().tokens))
+                                     lambda: float(self.planner.costs.threshold().tokens))
         self.limit = ConcurrencyLimit(s.max_concurrency, self.metrics.reject)
         self.leases = LeaseKeeper(self.conversations, self.metrics, s.heartbeat_interval,
                                   renewer, collector, clock=clock,
@@ -222,36 +221,11 @@ class Router:
 
     # -- the path of a turn --------------------------------------------------------------
 
-    def _prompt_tokens(self, req: ProxyRequest, state: ConversationState | None) -> int:
-        if req.prompt_tokens is not None:
-            return req.prompt_tokens
-        anchor = state.anchor if state is not None else None
-        if anchor is None:
-            return self.estimator.tokens(req.prompt_bytes)
-        return self.estimator.tokens(req.prompt_bytes, anchor.prompt_bytes,
-                                     anchor.prompt_tokens)
-
-    def _decide(self, req: ProxyRequest, state: ConversationState | None,
-                prompt_tokens: int) -> PathDecision:
-        held = state.held_tokens if state is not None else 0
-        per_backend = {
-            "prefill": self.in_flight_tokens["prefill"] / max(1, len(self.pools["prefill"].urls)),
-            "decode_only": (self.in_flight_tokens["decode_only"]
-                            / max(1, len(self.pools["decode"].urls))),
-        }
-        loads = Loads(per_backend["prefill"], per_backend["decode_only"])
-        return decide(self.settings.pd_mode, prompt_tokens - held,
-                      self.costs.threshold().tokens, loads, self.settings.pd_max_direct_tokens)
-
     async def prefill(self, req: ProxyRequest, turn: Turn) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         body = prefill_body(req, reuse=self.settings.dp_reuse)
-        queued = float(turn.uncached_tokens or 0)
-        self.in_flight_tokens["prefill"] += queued
-        try:
+        with self.planner.queue(turn):
             _, _, doc = await self._call_json("prefill", req, body)
-        finally:
-            self.in_flight_tokens["prefill"] -= queued
         turn.prefill_s = time.perf_counter() - t0
         handoff = kvtier_params(doc)
         turn.prefill_tokens = int(param_number(handoff, "tokens")) or None
@@ -280,7 +254,7 @@ class Router:
             return await self._decode_stream(request, req, key, body, handoff, headers, turn)
         data, content_type, doc = await self._call_json("decode", req, body)
         turn.ttft_s = time.perf_counter() - turn.started
-        self._remember(key, req, turn, handoff, doc)
+        self.planner.remember(key, req, turn, handoff, doc)
         if not show_hits and isinstance(doc, dict) and "kv_transfer_params" in doc:
             doc.pop("kv_transfer_params")
             data = json.dumps(doc, ensure_ascii=False).encode()
@@ -299,7 +273,7 @@ class Router:
             await out.prepare(request)
             turn.stream_broken = not await self._pump(resp, out, url, turn)
         if not turn.stream_broken:
-            self._remember(key, req, turn, handoff, None)  # no params when streaming
+            self.planner.remember(key, req, turn, handoff, None)  # no params when streaming
             await out.write_eof()
         return out
 
@@ -333,39 +307,6 @@ class Router:
             return {}
         known = self.conversations.get(key) is not None
         return {STATE_HEADER: "known" if known else "new"}
-
-    def _remember(self, key: str | None, req: ProxyRequest, turn: Turn,
-                  handoff: dict[str, Any] | None, doc: object) -> None:
-        """Record a completed turn: its params (for renewal), what the tier now holds of
-        it, and the best known token count of its prompt (the next turn's anchor)."""
-        if key is None:
-            return
-        decoded = kvtier_params(doc)
-        usage = doc.get("usage") if isinstance(doc, dict) else None
-        exact = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        prompt_tokens = (exact if isinstance(exact, int) and exact > 0
-                         else turn.prefill_tokens or turn.prompt_tokens)
-        anchor = TokenAnchor(req.prompt_bytes, prompt_tokens) if prompt_tokens else None
-        params = decoded or handoff
-        held: int | None = None
-        if params is None:  # decode-only and streamed: the decode node stored the prompt
-            previous = self.conversations.get(key)
-            params = previous.params if previous is not None else {}
-            held = prompt_tokens or 0
-        self.conversations.record(key, params, anchor, held)
-
-    def _learn(self, turn: Turn) -> None:
-        """Feed a successful turn's measurements to the path costs and the estimator."""
-        if turn.status != 200 or turn.stream_broken or turn.ttft_s is None:
-            return
-        if turn.path == "prefill_decode" and turn.prefill_s is not None:
-            if turn.prefill_tokens is not None:
-                computed = max(0, turn.prefill_tokens - turn.restored_tokens)
-                self.costs.observe_prefill_decode(computed, turn.prefill_s, turn.ttft_s)
-                if turn.prompt_bytes:
-                    self.estimator.observe(turn.prompt_bytes, turn.prefill_tokens)
-        elif turn.path == "decode_only" and turn.uncached_tokens is not None:
-            self.costs.observe_decode_only(turn.uncached_tokens, turn.ttft_s)
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -402,12 +343,9 @@ class Router:
             if self.tenants is not None:
                 req = replace(req, authorization=self.backend_authorization)
             key = self._conversation_key(tenant, req.conversation_id)
-            turn.conversation, turn.prompt_bytes = req.conversation_id, req.prompt_bytes
+            turn.conversation = req.conversation_id
             state = self.conversations.get(key) if key is not None else None
-            turn.prompt_tokens = self._prompt_tokens(req, state)
-            decision = self._decide(req, state, turn.prompt_tokens)
-            turn.path, turn.reason = decision.path, decision.reason
-            turn.uncached_tokens = decision.uncached_tokens
+            decision = self.planner.plan(req, state, turn)
             show_hits = (self.tenants is None
                          or request.headers.get(REPORT_HEADER, "").strip().lower() == "hits")
             if decision.path == "decode_only":
@@ -419,16 +357,12 @@ class Router:
 
     async def _decode_only(self, request: web.Request, req: ProxyRequest, key: str | None,
                            turn: Turn, show_hits: bool) -> web.StreamResponse:
-        queued = float(turn.uncached_tokens or 0)
-        self.in_flight_tokens["decode_only"] += queued
-        try:
+        with self.planner.queue(turn):
             return await self.decode(request, req, key, None, turn, show_hits)
-        finally:
-            self.in_flight_tokens["decode_only"] -= queued
 
     def _finish(self, turn: Turn) -> None:
         self.metrics.observe(turn)
-        self._learn(turn)
+        self.planner.learn(turn)
         log.info("conversation=%s endpoint=%s path=%s reason=%s uncached=%s prefill_ms=%s "
                  "restored_tokens=%d restore_ms=%.1f ttft_ms=%s status=%s%s",
                  _quoted(turn.conversation), turn.endpoint, turn.path or "-",
