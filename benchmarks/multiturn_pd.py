@@ -135,7 +135,8 @@ def tier_config(path: Path, shared: Path) -> Path:
 def router(tmp: Path, name: str, prefill: str, decode: str, tiers: Path, *,
            dp_reuse: bool, timeout_s: float) -> Iterator[str]:
     """Run ``python -m kvtier router`` until the block exits; yields its URL."""
-    args = ["--tiers", str(tiers), "--request-timeout", str(timeout_s)]
+    args = ["--tiers", str(tiers), "--request-timeout", str(timeout_s),
+            "--pd-mode", "always"]  # D->P reuse is measured on the prefill node
     with router_process(tmp, prefill, decode, name=name,
                         args=args + ([] if dp_reuse else ["--no-dp-reuse"])) as url:
         yield url

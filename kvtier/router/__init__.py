@@ -3,9 +3,11 @@
 The router owns the P/D hand-off: it sends each request to a prefill server with
 ``max_tokens=1``, passes the ``kvtier`` params that server returns (namespace, token count,
 last chunk key) to a decode server as ``expect``, and streams the decode answer back. KV
-itself moves through the shared kvtier tiers, never through the router. With an API key
-(``--api-key``, default ``$VLLM_API_KEY`` as for vLLM) every route but ``/health`` and
-``/metrics`` needs it; at most ``--max-concurrency`` requests are served at once.
+itself moves through the shared kvtier tiers, never through the router. A turn whose
+uncached suffix is short goes straight to the decode server instead (``--pd-mode``,
+``kvtier.router.selective``). With an API key (``--api-key``, default ``$VLLM_API_KEY`` as
+for vLLM) or a tenants file (``--tenants``) every route but ``/health`` and ``/metrics``
+needs a key; at most ``--max-concurrency`` requests are served at once.
 
 This module is importable without aiohttp (the rest of the ``kvtier`` CLI must work where
 aiohttp is not installed): it holds the settings and the command-line flags, and imports
@@ -19,7 +21,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
+
+from kvtier.router.conversations import DEFAULT_MAX_CONVERSATIONS
+from kvtier.router.selective import (
+    DEFAULT_MAX_DIRECT_TOKENS,
+    DEFAULT_THRESHOLD_TOKENS,
+    PD_MODES,
+    PDMode,
+)
 
 if TYPE_CHECKING:
     from kvtier.router.app import build_app
@@ -28,6 +38,9 @@ __all__ = ["RouterSettings", "add_arguments", "build_app", "serve", "settings_fr
 
 DEFAULT_LEASE_SECONDS = 480.0
 DEFAULT_MAX_CONCURRENCY = 256
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_RENEW_CONCURRENCY = 8  # chains one heartbeat renews at once
 API_KEY_ENV = "VLLM_API_KEY"  # the variable vLLM's own --api-key defaults to
 
 
@@ -47,18 +60,27 @@ class RouterSettings:
     connect_timeout: float = 5.0
     health_timeout: float = 2.0
     backend_cooldown: float = 5.0  # a backend that refused or timed out is skipped this long
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # a client body must arrive within this
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY  # requests served at once; more get 503
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    tenants: Path | None = None  # API key -> tenant file; the api_key then goes to backends
     dp_reuse: bool = True  # False: prefill never restores (the "D->P off" baseline)
     collect: bool = True  # with tiers: each heartbeat removes objects past their lease
+    pd_mode: PDMode = "auto"  # always: every turn P/D; never: every turn decode-only
+    pd_default_threshold: int = DEFAULT_THRESHOLD_TOKENS  # until the costs are measured
+    pd_max_direct_tokens: int = DEFAULT_MAX_DIRECT_TOKENS  # never decode-only above this
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    renew_concurrency: int = DEFAULT_RENEW_CONCURRENCY
+    health_interval: float = 1.0  # /health probes the backends at most this often
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"--{role} {url!r}: must be an http:// or https:// URL")
-        for name in ("lease_seconds", "request_timeout", "connect_timeout", "health_timeout"):
+        for name in ("lease_seconds", "request_timeout", "connect_timeout", "health_timeout",
+                     "body_timeout", "health_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("conversation_ttl", "heartbeat_seconds"):
@@ -69,8 +91,17 @@ class RouterSettings:
             raise ValueError(f"backend_cooldown must be >= 0, got {self.backend_cooldown}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if isinstance(self.max_concurrency, bool) or self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("max_concurrency", "max_body_bytes", "max_conversations",
+                     "renew_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("pd_default_threshold", "pd_max_direct_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.pd_mode not in get_args(PDMode):
+            raise ValueError(f"pd_mode must be one of {list(PD_MODES)}, got {self.pd_mode!r}")
         key = self.api_key
         if key is not None and (not key or not key.isprintable() or any(c.isspace() for c in key)):
             raise ValueError("api_key must be non-empty printable text without spaces "
@@ -115,6 +146,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-collect", dest="collect", action="store_false",
                    help="do not remove objects past their lease on each heartbeat (when "
                         "`kvtier gc --expired` runs elsewhere)")
+    p.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                   help="YAML/JSON file 'keys: {<api key>: <tenant>}': clients authenticate "
+                        "with a tenant's key and the router sets cache_salt per tenant; "
+                        "reloaded on SIGHUP or when the file changes. --api-key, if any, is "
+                        "then the key the router sends to the vLLM servers")
+    p.add_argument("--pd-mode", choices=PD_MODES, default="auto",
+                   help="auto: per turn, decode-only when the uncached suffix is short "
+                        "(default); always: prefill then decode; never: decode-only")
+    p.add_argument("--pd-default-threshold", type=int, default=DEFAULT_THRESHOLD_TOKENS,
+                   metavar="TOKENS", help="auto's threshold until prefill costs are measured "
+                   f"(default {DEFAULT_THRESHOLD_TOKENS})")
+    p.add_argument("--pd-max-direct-tokens", type=int, default=DEFAULT_MAX_DIRECT_TOKENS,
+                   metavar="TOKENS", help="auto never sends a longer uncached suffix to the "
+                   f"decode node (default {DEFAULT_MAX_DIRECT_TOKENS})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="BYTES", help="larger request bodies get 413 (default 64 MiB)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="S",
+                   help="a request body must arrive within this, else 408 "
+                        f"(default {DEFAULT_BODY_TIMEOUT:g})")
+    p.add_argument("--max-conversations", type=int, default=DEFAULT_MAX_CONVERSATIONS,
+                   metavar="N", help="conversations tracked at once; the least recently "
+                   f"used one is dropped past it (default {DEFAULT_MAX_CONVERSATIONS})")
+    p.add_argument("--renew-concurrency", type=int, default=DEFAULT_RENEW_CONCURRENCY,
+                   metavar="N", help="chains a heartbeat renews at once "
+                   f"(default {DEFAULT_RENEW_CONCURRENCY})")
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
@@ -136,8 +192,16 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         backend_cooldown=args.backend_cooldown,
         max_concurrency=args.max_concurrency,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        tenants=args.tenants,
         dp_reuse=args.dp_reuse,
         collect=args.collect,
+        pd_mode=args.pd_mode,
+        pd_default_threshold=args.pd_default_threshold,
+        pd_max_direct_tokens=args.pd_max_direct_tokens,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        max_conversations=args.max_conversations,
+        renew_concurrency=args.renew_concurrency,
     )
 
 

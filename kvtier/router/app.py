@@ -1,36 +1,47 @@
-"""The router's aiohttp application: P/D hand-off, streaming pass-through.
+"""The router's aiohttp application: the per-turn path, P/D hand-off, streaming pass-through.
 
 The HTTP contract is in ``protocol``, backend choice and status mapping in ``backends``,
-authentication and the concurrency limit in ``guard``, lease renewal and the heartbeat in
-``leases``, the per-request record and Prometheus metrics in ``metrics``; this module
-holds the ``Router`` that ties them together, and ``build_app``.
+authentication and the concurrency limit in ``guard``, tenants in ``tenants``, the path
+decision in ``selective``, lease renewal and the heartbeat in ``leases``, ``/health`` in
+``health``, the per-request record and Prometheus metrics in ``metrics``; this module
+holds the ``Router`` that ties them together, and ``build_app``; ``planner`` holds the
+per-turn path state (estimate, costs, queued tokens).
 
 Invariants:
 
 * Per-request state lives in locals and one ``Turn`` record per request; the only shared
-  mutable state is the ``ConversationMap``, the backend pools' health marks and the metrics.
+  mutable state is the ``ConversationMap``, the backend pools' health marks, the measured
+  path costs, the in-flight token counts and the metrics, all on the loop's thread.
   Concurrent requests of different conversations therefore never see each other's params.
+* Each turn takes one path (``selective.decide``): prefill-then-decode (a prefill call,
+  then a decode call with its ``expect``) or decode-only (one decode call without
+  ``expect``: the decode node restores what the tier holds and computes the rest).
 * Streamed decode bytes are forwarded unchanged, chunk by chunk, as they arrive.
-* Nothing waits without a bound: every backend call has a connect timeout and a request
-  timeout (whole call, or gap between streamed chunks), health probes have their own.
-  Errors map to: refused/unreachable 502, backend 5xx 502 (with its message), timeout 504,
-  no usable backend 503; a backend 4xx is passed through unchanged. A backend that refused
-  a connection or timed out is skipped for ``backend_cooldown`` either way.
+* Nothing waits without a bound: the client body has ``body_timeout``, every backend call
+  a connect timeout and a request timeout (whole call, or gap between streamed chunks),
+  health probes their own. Errors map to: refused/unreachable 502, backend 5xx 502 (with
+  its message), timeout 504, no usable backend 503; a backend 4xx is passed through
+  unchanged. A backend that refused a connection or timed out is skipped for
+  ``backend_cooldown`` either way.
 * A client that goes away cancels its handler at once (aiohttp handler cancellation, set on
   the application itself so that any runner serving it honours it): the backend call is
   cancelled with it and its connection closed, which makes vLLM abort the request. The
   turn is counted as aborted.
 * Work is bounded: ``guard`` admits at most ``max_concurrency`` requests at once and
   answers the rest 503 at once. Each admitted request holds at most one backend connection
-  at a time, so the client session's connection pool needs no limit of its own.
-* With an API key, only callers that presented it reach the handlers below (``guard``), so
-  the ``X-KVTier-Conversation: new|known`` header is only ever shown to a key holder.
-  Without one the router trusts every caller, as before (renewal answers 404 for an
-  unknown id anyway).
+  at a time, and ``/health`` probes at most once per ``health_interval``, so the client
+  session's connection pool needs no limit of its own.
+* With keys (``--api-key`` or ``--tenants``), only callers that presented one reach the
+  handlers below (``guard``). With tenants, conversations are tracked per tenant (another
+  tenant's id is an unknown id), every request carries its tenant's ``cache_salt``, the
+  tenant's key is never forwarded, and prefix-hit information (the ``X-KVTier-Restore*``
+  headers, ``kv_transfer_params`` in non-streamed bodies) is returned only to a request
+  that asks for it with ``X-KVTier-Report: hits``; by the salt it can only describe that
+  tenant's own KV. Without keys the router trusts every caller, as before.
 * A client body is parsed and serialized once (``protocol``), never once per backend.
-* Behaviour over time (conversation TTL, backend cooldown, leases) uses the injected
-  ``Clock``; the latencies reported in logs and metrics are measured with
-  ``time.perf_counter``.
+* Behaviour over time (conversation TTL, backend cooldown, leases, health and tenants-file
+  refresh) uses the injected ``Clock``; the latencies reported in logs and metrics, and
+  the path costs learnt from them, are measured with ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -39,8 +50,10 @@ import asyncio
 import functools
 import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -51,9 +64,11 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.router import RouterSettings
 from kvtier.router.backends import BackendPool, Role, check_status
 from kvtier.router.conversations import ConversationMap
-from kvtier.router.guard import ConcurrencyLimit, require_api_key
+from kvtier.router.guard import TENANT, Authenticator, ConcurrencyLimit, bearer_token, require_key
+from kvtier.router.health import HealthCache
 from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, TierRenewer
 from kvtier.router.metrics import RouterMetrics, Turn
+from kvtier.router.planner import Planner
 from kvtier.router.protocol import (
     AUTHORIZATION,
     PATHS,
@@ -70,8 +85,13 @@ from kvtier.router.protocol import (
     prefill_body,
     read_body,
 )
+from kvtier.router.tenants import TenantRegistry, salt_of
 
 log = logging.getLogger(__name__)
+
+PATH_HEADER = "X-KVTier-Path"
+REPORT_HEADER = "X-KVTier-Report"  # "hits": return prefix-hit information (with tenants)
+HIT_HEADERS = ("X-KVTier-Restored-Tokens", "X-KVTier-Restore-Ms", "X-KVTier-Restored-By-Tier")
 
 
 class Router:
@@ -79,18 +99,36 @@ class Router:
 
     def __init__(self, settings: RouterSettings, clock: Clock, renewer: ChainRenewer | None,
                  collector: Collector | None = None) -> None:
-        self.settings = settings
-        self.conversations = ConversationMap(settings.ttl_seconds, clock.monotonic)
-        cooldown = settings.backend_cooldown
+        s = self.settings = settings
+        self.clock = clock
+        self.conversations = ConversationMap(s.ttl_seconds, clock.monotonic,
+                                             s.max_conversations)
         self.pools: dict[Role, BackendPool] = {
-            "prefill": BackendPool("prefill", settings.prefill, cooldown, clock),
-            "decode": BackendPool("decode", settings.decode, cooldown, clock),
+            "prefill": BackendPool("prefill", s.prefill, s.backend_cooldown, clock),
+            "decode": BackendPool("decode", s.decode, s.backend_cooldown, clock),
         }
+        self.planner = Planner(s, self.conversations)
         self.metrics = RouterMetrics(lambda: len(self.conversations),
-                                     lambda: self.limit.in_flight)
-        self.limit = ConcurrencyLimit(settings.max_concurrency, self.metrics.reject)
-        self.leases = LeaseKeeper(self.conversations, self.metrics,
-                                  settings.heartbeat_interval, renewer, collector)
+                                     lambda: self.limit.in_flight,
+                                     lambda: self.conversations.evictions,
+                                     lambda: float(self.planner.costs.threshold().tokens))
+        self.limit = ConcurrencyLimit(s.max_concurrency, self.metrics.reject)
+        self.leases = LeaseKeeper(self.conversations, self.metrics, s.heartbeat_interval,
+                                  renewer, collector, clock=clock,
+                                  lease_seconds=s.lease_seconds,
+                                  concurrency=s.renew_concurrency)
+        tenants = None if s.tenants is None else TenantRegistry(
+            s.tenants, clock, loaded=lambda result: self.metrics.tenant_reloads.labels(
+                result).inc())
+        keyed = s.api_key is not None or tenants is not None
+        self.auth = Authenticator(s.api_key, tenants) if keyed else None
+        self.tenants = tenants
+        # with tenants the router's own key (if any) goes to the backends, never the caller's
+        self.backend_authorization = (f"Bearer {s.api_key}" if s.api_key is not None
+                                      else None)
+        self.health_cache = HealthCache(
+            {role: pool.urls for role, pool in self.pools.items()}, lambda: self.session,
+            clock, timeout=s.health_timeout, max_age=s.health_interval)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -104,6 +142,22 @@ class Router:
         async with aiohttp.ClientSession(connector=connector) as self._session:
             yield
         self._session = None
+
+    async def reload_on_sighup(self, _app: web.Application) -> AsyncIterator[None]:
+        """SIGHUP asks the tenants registry to reload (main thread's loop only)."""
+        tenants = self.tenants
+        installed = False
+        if tenants is not None:
+            try:
+                asyncio.get_running_loop().add_signal_handler(
+                    signal.SIGHUP, tenants.request_reload)
+                installed = True
+            except (NotImplementedError, RuntimeError, ValueError):
+                log.warning("cannot install a SIGHUP handler here; the tenants file is still "
+                            "reloaded when it changes")
+        yield
+        if installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
     # -- one backend call --------------------------------------------------------------
 
@@ -165,14 +219,16 @@ class Router:
             raise RouterError(502, f"{role} backend {url} answered non-JSON: {data[:200]!r}",
                               "backend_error") from None
 
-    # -- the two phases ----------------------------------------------------------------
+    # -- the path of a turn --------------------------------------------------------------
 
     async def prefill(self, req: ProxyRequest, turn: Turn) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         body = prefill_body(req, reuse=self.settings.dp_reuse)
-        _, _, doc = await self._call_json("prefill", req, body)
+        with self.planner.queue(turn):
+            _, _, doc = await self._call_json("prefill", req, body)
         turn.prefill_s = time.perf_counter() - t0
         handoff = kvtier_params(doc)
+        turn.prefill_tokens = int(param_number(handoff, "tokens")) or None
         turn.restored_tokens = int(param_number(handoff, "restored_tokens"))
         turn.restore_ms = param_number(handoff, "restore_ms")
         by_tier = handoff.get("restored_by_tier") if handoff is not None else None
@@ -182,18 +238,29 @@ class Router:
             }
         return handoff
 
-    async def decode(self, request: web.Request, req: ProxyRequest,
-                     handoff: dict[str, Any] | None, turn: Turn) -> web.StreamResponse:
-        headers = self._state_headers(req.conversation_id) | turn.prefill_headers()
+    async def decode(self, request: web.Request, req: ProxyRequest, key: str | None,
+                     handoff: dict[str, Any] | None, turn: Turn,
+                     show_hits: bool) -> web.StreamResponse:
+        """The decode call of either path (``handoff`` None: decode-only, or a prefill
+        that returned no params)."""
+        headers = self._state_headers(key) | {PATH_HEADER: turn.path or "prefill_decode"}
+        if turn.path == "prefill_decode":
+            headers |= turn.prefill_headers()
+        if not show_hits:
+            for name in HIT_HEADERS:
+                headers.pop(name, None)
         body = decode_body(req, handoff)
         if req.stream:
-            return await self._decode_stream(request, req, body, handoff, headers, turn)
+            return await self._decode_stream(request, req, key, body, handoff, headers, turn)
         data, content_type, doc = await self._call_json("decode", req, body)
         turn.ttft_s = time.perf_counter() - turn.started
-        self._remember(req.conversation_id, kvtier_params(doc) or handoff)
+        self.planner.remember(key, req, turn, handoff, doc)
+        if not show_hits and isinstance(doc, dict) and "kv_transfer_params" in doc:
+            doc.pop("kv_transfer_params")
+            data = json.dumps(doc, ensure_ascii=False).encode()
         return web.Response(body=data, content_type=content_type, headers=headers)
 
-    async def _decode_stream(self, request: web.Request, req: ProxyRequest,
+    async def _decode_stream(self, request: web.Request, req: ProxyRequest, key: str | None,
                              body: bytes, handoff: dict[str, Any] | None,
                              headers: dict[str, str], turn: Turn) -> web.StreamResponse:
         url, resp = await self._open("decode", req, body, stream=True)
@@ -206,7 +273,7 @@ class Router:
             await out.prepare(request)
             turn.stream_broken = not await self._pump(resp, out, url, turn)
         if not turn.stream_broken:
-            self._remember(req.conversation_id, handoff)  # vLLM sends no params when streaming
+            self.planner.remember(key, req, turn, handoff, None)  # no params when streaming
             await out.write_eof()
         return out
 
@@ -235,15 +302,11 @@ class Router:
             return False
         return True
 
-    def _state_headers(self, conversation_id: str | None) -> dict[str, str]:
-        if conversation_id is None:
+    def _state_headers(self, key: str | None) -> dict[str, str]:
+        if key is None:
             return {}
-        known = self.conversations.get(conversation_id) is not None
+        known = self.conversations.get(key) is not None
         return {STATE_HEADER: "known" if known else "new"}
-
-    def _remember(self, conversation_id: str | None, params: dict[str, Any] | None) -> None:
-        if conversation_id is not None:
-            self.conversations.record(conversation_id, params or {})
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -262,48 +325,62 @@ class Router:
         finally:
             self._finish(turn)  # also when the client went away (status 0: aborted)
 
+    def _conversation_key(self, tenant: str | None, cid: str | None) -> str | None:
+        """The map key of a conversation: per tenant (ids are printable, so NUL cannot be
+        part of one)."""
+        if cid is None or tenant is None:
+            return cid
+        return f"{tenant}\x00{cid}"
+
     async def _serve(self, request: web.Request, endpoint: Endpoint,
                      turn: Turn) -> web.StreamResponse:
         try:
-            req = parse_request(endpoint, await read_body(request), request.headers)
+            tenant = request.get(TENANT)
+            turn.tenant = tenant
+            raw = await read_body(request, self.settings.body_timeout)
+            req = parse_request(endpoint, raw, request.headers,
+                                salt=None if tenant is None else salt_of(tenant))
+            if self.tenants is not None:
+                req = replace(req, authorization=self.backend_authorization)
+            key = self._conversation_key(tenant, req.conversation_id)
             turn.conversation = req.conversation_id
+            state = self.conversations.get(key) if key is not None else None
+            decision = self.planner.plan(req, state, turn)
+            show_hits = (self.tenants is None
+                         or request.headers.get(REPORT_HEADER, "").strip().lower() == "hits")
+            if decision.path == "decode_only":
+                return await self._decode_only(request, req, key, turn, show_hits)
             handoff = await self.prefill(req, turn)
-            return await self.decode(request, req, handoff, turn)
+            return await self.decode(request, req, key, handoff, turn, show_hits)
         except (RouterError, BackendRejected) as e:
             return e.response()
 
+    async def _decode_only(self, request: web.Request, req: ProxyRequest, key: str | None,
+                           turn: Turn, show_hits: bool) -> web.StreamResponse:
+        with self.planner.queue(turn):
+            return await self.decode(request, req, key, None, turn, show_hits)
+
     def _finish(self, turn: Turn) -> None:
         self.metrics.observe(turn)
-        log.info("conversation=%s endpoint=%s prefill_ms=%s restored_tokens=%d restore_ms=%.1f "
-                 "ttft_ms=%s status=%s%s", _quoted(turn.conversation), turn.endpoint,
-                 _ms(turn.prefill_s), turn.restored_tokens, turn.restore_ms, _ms(turn.ttft_s),
-                 turn.status or "aborted", " stream_broken" if turn.stream_broken else "")
+        self.planner.learn(turn)
+        log.info("conversation=%s endpoint=%s path=%s reason=%s uncached=%s prefill_ms=%s "
+                 "restored_tokens=%d restore_ms=%.1f ttft_ms=%s status=%s%s",
+                 _quoted(turn.conversation), turn.endpoint, turn.path or "-",
+                 turn.reason or "-", "-" if turn.uncached_tokens is None
+                 else turn.uncached_tokens, _ms(turn.prefill_s), turn.restored_tokens,
+                 turn.restore_ms, _ms(turn.ttft_s), turn.status or "aborted",
+                 " stream_broken" if turn.stream_broken else "")
 
-    async def health(self, _request: web.Request) -> web.Response:
-        urls = {role: list(pool.urls) for role, pool in self.pools.items()}
-        targets = [(pool, url) for pool in self.pools.values() for url in pool.urls]
-        reasons = await asyncio.gather(*(self._probe(pool, url) for pool, url in targets))
-        failed = {url: why for (_, url), why in zip(targets, reasons, strict=True) if why}
-        if not self.pools["prefill"].urls or not self.pools["decode"].urls:
-            failed["config"] = "a prefill and a decode backend are both required"
-        if failed:
-            return web.json_response({"status": "unhealthy", **urls, "failed": failed},
-                                     status=503)
-        return web.json_response({"status": "ok", **urls})
-
-    async def _probe(self, pool: BackendPool, url: str) -> str | None:
-        """``None`` if ``url/health`` answers 200 in time, else why not."""
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
-        try:
-            async with self.session.get(url + "/health", timeout=timeout) as resp:
-                if resp.status != 200:
-                    return f"/health answered {resp.status}"
-        except TimeoutError:
-            return f"/health did not answer within {self.settings.health_timeout:g}s"
-        except aiohttp.ClientError as e:
-            return f"/health failed: {e!r}"
-        pool.mark_up(url)
-        return None
+    async def health(self, request: web.Request) -> web.Response:
+        """From the cached probe state (``health``); details only to a key holder."""
+        state = await self.health_cache.state()
+        detailed = self.auth is None
+        if self.auth is not None:
+            pending = self.auth.refresh()
+            if pending is not None:
+                await pending
+            detailed = self.auth.identify(bearer_token(request.headers.get(AUTHORIZATION)))[0]
+        return web.json_response(state.body(detailed), status=200 if state.ok else 503)
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         return self.metrics.render()
@@ -314,15 +391,18 @@ class Router:
         """``POST /v1/kvtier/renew {"conversation_id": ...}``: renew that chain's leases now
         and restart its TTL."""
         try:
-            cid = parse_renew(await read_body(request))
-            state = self.conversations.get(cid)
+            cid = parse_renew(await read_body(request, self.settings.body_timeout))
+            key = self._conversation_key(request.get(TENANT), cid)
+            assert key is not None
+            state = self.conversations.get(key)
             if state is None:
                 raise RouterError(404, f"conversation {cid!r} is unknown or expired",
                                   "not_found_error")
             renewed = await self.leases.renew_chain(cid, state.last_key)
         except RouterError as e:
             return e.response()
-        self.conversations.touch(cid)
+        self.conversations.touch(key)
+        self.conversations.mark_renewed(key, self.clock.monotonic())
         return web.json_response({"renewed_chunks": renewed})
 
 
@@ -334,7 +414,8 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
               collector: Collector | None = None) -> web.Application:
     """The router as an aiohttp application. ``renewer`` and ``collector`` replace the lease
     renewal and collection that ``settings.tiers`` would set up (tests pass fakes); without
-    either, that part is off. ``settings.collect=False`` turns the tiers' collector off."""
+    either, that part is off. ``settings.collect=False`` turns the tiers' collector off.
+    Raises ``TenantsError`` if ``settings.tenants`` cannot be loaded."""
     owned: TierRenewer | None = None
     if renewer is None and settings.tiers is not None:
         renewer = owned = TierRenewer(settings.tiers, clock)
@@ -342,12 +423,13 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
             collector = functools.partial(owned.expire, settings.lease_seconds)
     router = Router(settings, clock, renewer, collector)
     guards: list[Middleware] = [router.limit.middleware]  # authentication goes first
-    if settings.api_key is not None:
-        guards.insert(0, require_api_key(settings.api_key, router.metrics.reject))
+    if router.auth is not None:
+        guards.insert(0, require_key(router.auth, router.metrics.reject))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=guards,
                           handler_args={"handler_cancellation": True})  # see the module
     app[ROUTER_KEY] = router
-    app.cleanup_ctx.extend([router.client_session, router.leases.heartbeat])
+    app.cleanup_ctx.extend([router.client_session, router.leases.heartbeat,
+                            router.reload_on_sighup])
     if owned is not None:
         app.on_cleanup.append(lambda _app: asyncio.to_thread(owned.close))
     app.router.add_post(PATHS["completions"], router.completions)

@@ -3,11 +3,14 @@
 Invariants:
 
 * Metadata only: an entry holds the small ``kvtier`` params dict of a turn (namespace, token
-  count, last chunk key, lease expiry), never KV bytes. The KV itself is found again by
-  content hash on the next turn whether or not the conversation is tracked here.
+  count, last chunk key, lease expiry) and a few numbers, never KV bytes. The KV itself is
+  found again by content hash on the next turn whether or not the conversation is tracked.
 * An entry is live while ``now() - updated < ttl``; an expired entry is never returned and
   is dropped on the next access. ``ttl`` is below the storage lease (0.9x by default) so a
   live entry always names chunks that are still leased.
+* The map holds at most ``capacity`` entries: recording one more drops the least recently
+  updated (a turn or a renew request updates; a heartbeat's renewal does not), counted in
+  ``evictions``. Its chain is then no longer renewed by this router; its KV stays correct.
 * Entries are replaced, never mutated: a ``ConversationState`` is frozen and owns a private
   copy of its params, so concurrent turns of different conversations cannot mix params.
 * Time comes only from the injected ``now`` callable; tests drive it explicitly.
@@ -19,15 +22,29 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+DEFAULT_MAX_CONVERSATIONS = 100_000
+
+
+@dataclass(frozen=True)
+class TokenAnchor:
+    """A prompt size whose token count is known (or best estimated): the next turn of the
+    conversation estimates only the tokens of the bytes it adds."""
+
+    prompt_bytes: int
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
 class ConversationState:
     params: dict[str, Any]
-    updated: float
+    updated: float  # last turn or renew request (the TTL and the LRU order)
     turns: int
+    renewed: float  # last time its chain's leases were known fresh (written or renewed)
+    anchor: TokenAnchor | None = None
+    held_tokens: int = 0  # tokens of it the tier holds (stored by its last turn), as known
 
     @property
     def last_key(self) -> str | None:
@@ -35,16 +52,30 @@ class ConversationState:
         return key if isinstance(key, str) and key else None
 
 
-class ConversationMap:
-    """``conversation_id -> ConversationState`` with a time-to-live.
+def params_tokens(params: Mapping[str, Any] | None) -> int:
+    """``params["tokens"]`` if it is a positive integer, else 0."""
+    tokens = params.get("tokens") if params is not None else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+        return tokens
+    return 0
 
-    Kept in order of ``updated`` (oldest first), so pruning stops at the first live entry.
+
+class ConversationMap:
+    """``conversation_id -> ConversationState`` with a time-to-live and a size cap.
+
+    Kept in order of ``updated`` (oldest first), so pruning stops at the first live entry
+    and the capacity evicts the least recently updated one.
     """
 
-    def __init__(self, ttl_seconds: float, now: Callable[[], float]) -> None:
+    def __init__(self, ttl_seconds: float, now: Callable[[], float],
+                 capacity: int = DEFAULT_MAX_CONVERSATIONS) -> None:
         if ttl_seconds <= 0:
             raise ValueError(f"conversation ttl must be > 0 seconds, got {ttl_seconds}")
+        if capacity < 1:
+            raise ValueError(f"max_conversations must be >= 1, got {capacity}")
         self.ttl_seconds = ttl_seconds
+        self.capacity = capacity
+        self.evictions = 0  # entries dropped for capacity (not for their TTL)
         self._now = now
         self._entries: OrderedDict[str, ConversationState] = OrderedDict()
 
@@ -67,22 +98,39 @@ class ConversationMap:
         self.prune()
         return self._entries.get(conversation_id)
 
-    def record(self, conversation_id: str, params: Mapping[str, Any]) -> ConversationState:
-        """Store the params of a completed turn; counts turns while the entry stays live."""
+    def record(self, conversation_id: str, params: Mapping[str, Any],
+               anchor: TokenAnchor | None = None,
+               held_tokens: int | None = None) -> ConversationState:
+        """Store the params of a completed turn; counts turns while the entry stays live.
+        ``held_tokens`` defaults to the params' ``tokens``. A new entry's chain counts as
+        just written (``renewed = now``); a known one keeps its renewal time (a turn need
+        not read every chunk of its chain)."""
         previous = self.get(conversation_id)
-        turns = previous.turns + 1 if previous is not None else 1
-        return self._put(conversation_id, ConversationState(dict(params), self._now(), turns))
+        now = self._now()
+        held = params_tokens(params) if held_tokens is None else held_tokens
+        if previous is None:
+            state = ConversationState(dict(params), now, 1, now, anchor, held)
+        else:
+            state = ConversationState(dict(params), now, previous.turns + 1, previous.renewed,
+                                      anchor or previous.anchor, held)
+        return self._put(conversation_id, state)
 
     def touch(self, conversation_id: str) -> ConversationState | None:
         """Restart the TTL of a live entry (params unchanged); ``None`` if unknown or expired."""
         previous = self.get(conversation_id)
         if previous is None:
             return None
-        state = ConversationState(previous.params, self._now(), previous.turns)
-        return self._put(conversation_id, state)
+        return self._put(conversation_id, replace(previous, updated=self._now()))
+
+    def mark_renewed(self, conversation_id: str, at: float) -> None:
+        """Its chain's leases were renewed at ``at`` (no effect if it is gone, and no
+        change to its TTL or LRU position)."""
+        state = self._entries.get(conversation_id)
+        if state is not None and at > state.renewed:
+            self._entries[conversation_id] = replace(state, renewed=at)
 
     def live(self) -> list[tuple[str, ConversationState]]:
-        """A snapshot of the live entries, oldest first."""
+        """A snapshot of the live entries, least recently updated first."""
         self.prune()
         return list(self._entries.items())
 
@@ -93,4 +141,7 @@ class ConversationMap:
     def _put(self, conversation_id: str, state: ConversationState) -> ConversationState:
         self._entries[conversation_id] = state
         self._entries.move_to_end(conversation_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            self.evictions += 1
         return state

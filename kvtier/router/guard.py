@@ -5,12 +5,13 @@ Invariants:
 * Open routes (``OPEN_PATHS``: ``/health`` and ``/metrics``) are never authenticated nor
   limited, as vLLM leaves its own ``/health`` and ``/metrics`` open: probes and scrapers
   need no key, and neither page names a conversation.
-* With an API key configured, every other route (the proxied completions, the lease
-  renewal, and unknown paths) answers 401 unless the request carries
-  ``Authorization: Bearer <key>``. The key is compared in constant time
-  (``hmac.compare_digest``) and never logged. A refused request reaches no backend and no
-  conversation state, and every refusal is the same answer, so a caller without the key
-  cannot learn whether a conversation id exists.
+* With an API key or a tenants file configured, every other route (the proxied
+  completions, the lease renewal, and unknown paths) answers 401 unless the request
+  carries ``Authorization: Bearer <key>`` with a valid key. Keys are compared in constant
+  time (``hmac.compare_digest``; with tenants, against every key) and never logged. An
+  admitted request carries its tenant (``TENANT``; ``None`` without tenants). A refused
+  request reaches no backend and no conversation state, and every refusal is the same
+  answer, so a caller without the key cannot learn whether a conversation id exists.
 * Authentication runs before the limit: a refused request takes no slot.
 * At most ``limit`` requests hold a slot at once; one more is answered 503 with
   ``Retry-After`` at once, never queued. A slot is given back exactly once when its request
@@ -20,17 +21,45 @@ Invariants:
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kvtier.router.protocol import AUTHORIZATION, RouterError
+from kvtier.router.tenants import TenantRegistry
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 RETRY_AFTER_SECONDS = 1
 
 Rejected = Callable[[str], None]  # called with the reason of each refusal, for the metrics
+TENANT = web.RequestKey("kvtier_tenant", str)  # the authenticated tenant's name, if any
+
+
+class Authenticator:
+    """Who a bearer token belongs to: the single API key (tenant ``None``), or a tenant of
+    the registry. ``identify`` answers ``(known, tenant)``; ``refresh`` lets the registry
+    look for a changed file first. Event loop thread only."""
+
+    def __init__(self, api_key: str | None, tenants: TenantRegistry | None) -> None:
+        if api_key is None and tenants is None:
+            raise ValueError("an Authenticator needs an API key or a tenants file")
+        self._key = None if api_key is None else api_key.encode()
+        self.tenants = tenants
+
+    def identify(self, token: str | None) -> tuple[bool, str | None]:
+        if token is None:
+            return False, None
+        if self.tenants is not None:
+            tenant = self.tenants.authenticate(token)
+            return tenant is not None, tenant
+        assert self._key is not None
+        return hmac.compare_digest(token.encode(errors="surrogatepass"), self._key), None
+
+    def refresh(self) -> Awaitable[None] | None:
+        if self.tenants is not None and self.tenants.due():
+            return self.tenants.refresh()
+        return None
 
 
 def is_open(request: web.Request) -> bool:
@@ -49,21 +78,26 @@ def bearer_token(header: str | None) -> str | None:
     return token.strip()
 
 
-def require_api_key(api_key: str, rejected: Rejected) -> Middleware:
-    """A middleware answering 401 to any request to a non-open route without the key."""
-    expected = api_key.encode()
+def require_key(auth: Authenticator, rejected: Rejected) -> Middleware:
+    """A middleware answering 401 to any request to a non-open route without a valid key;
+    an admitted request gets ``request[TENANT]``."""
     refusal = RouterError(401, f"missing or wrong API key: send '{AUTHORIZATION}: Bearer "
-                          "<key>' with the key the router was started with",
+                          "<key>' with a key the router accepts",
                           "authentication_error", {"WWW-Authenticate": "Bearer"})
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if is_open(request):
             return await handler(request)
-        token = bearer_token(request.headers.get(AUTHORIZATION))
-        if token is None or not hmac.compare_digest(token.encode(), expected):
+        pending = auth.refresh()
+        if pending is not None:
+            await pending
+        known, tenant = auth.identify(bearer_token(request.headers.get(AUTHORIZATION)))
+        if not known:
             rejected("unauthorized")
             return refusal.response()
+        if tenant is not None:
+            request[TENANT] = tenant
         return await handler(request)
 
     return authenticate

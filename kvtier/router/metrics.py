@@ -12,7 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -24,10 +24,26 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvtier.router.protocol import Endpoint
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class _ReadCounters:
+    """Counters whose value another object keeps (read at scrape time)."""
+
+    def __init__(self) -> None:
+        self._counters: list[tuple[str, str, Callable[[], int]]] = []
+
+    def add(self, name: str, doc: str, read: Callable[[], int]) -> None:
+        self._counters.append((name, doc, read))
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, read in self._counters:
+            yield CounterMetricFamily(name, doc, value=float(read()))
 
 
 @dataclass
@@ -44,6 +60,13 @@ class Turn:
     ttft_s: float | None = None
     status: int = 0
     stream_broken: bool = False
+    path: str | None = None  # "prefill_decode" or "decode_only", once decided
+    reason: str | None = None  # why (``kvtier.router.selective``)
+    uncached_tokens: int | None = None  # the estimate the decision used
+    tenant: str | None = None
+    prompt_bytes: int = 0  # of the prompt text (``ProxyRequest.prompt_bytes``)
+    prompt_tokens: int | None = None  # exact or estimated, as the decision used it
+    prefill_tokens: int | None = None  # the prompt tokens the prefill call reported
 
     def prefill_headers(self) -> dict[str, str]:
         """What the prefill phase did, for clients and benchmarks (known before decode)."""
@@ -60,7 +83,8 @@ class Turn:
 class RouterMetrics:
     """Prometheus metrics in a registry the router owns (see the module invariants)."""
 
-    def __init__(self, conversations: Callable[[], int], in_flight: Callable[[], int]) -> None:
+    def __init__(self, conversations: Callable[[], int], in_flight: Callable[[], int],
+                 evicted: Callable[[], int], threshold: Callable[[], float]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvtier_router_requests_total", "Requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -82,6 +106,37 @@ class RouterMetrics:
         self.rejected = Counter("kvtier_router_rejected_total",
                                 "Requests refused before any work, by reason "
                                 "(unauthorized, overloaded)", ["reason"], registry=r)
+        self.renew_deferred = Counter(
+            "kvtier_router_renew_deferred_total",
+            "Conversations a heartbeat left for the next one (its renewal budget ran out)",
+            registry=r)
+        self.lapsed = Counter("kvtier_router_leases_lapsed_total",
+                              "Live conversations whose chain went a whole lease unrenewed",
+                              registry=r)
+        self.heartbeat = Histogram("kvtier_router_heartbeat_renew_seconds",
+                                   "Wall time of one heartbeat's lease renewal",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("kvtier_router_pd_decisions_total",
+                                 "Selective P/D decisions by path and reason",
+                                 ["path", "reason"], registry=r)
+        self.uncached = Histogram("kvtier_router_uncached_tokens",
+                                  "Estimated uncached prompt tokens per turn, by path",
+                                  ["path"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.path_ttft = Histogram("kvtier_router_path_ttft_seconds",
+                                   "Request arrival to first decode byte, by path",
+                                   ["path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tenant_reloads = Counter("kvtier_router_tenant_reloads_total",
+                                      "Tenants file loads by result (ok, error)", ["result"],
+                                      registry=r)
+        threshold_gauge = Gauge("kvtier_router_pd_threshold_tokens",
+                                "Uncached tokens up to which an unloaded turn goes decode-only",
+                                registry=r)
+        threshold_gauge.set_function(threshold)
+        read = _ReadCounters()
+        read.add("kvtier_router_conversations_evicted",
+                 "Conversations dropped because the map was full (--max-conversations)",
+                 evicted)
+        r.register(read)  # type: ignore[arg-type]
         gauge = Gauge("kvtier_router_conversations", "Tracked (unexpired) conversations",
                       registry=r)
         gauge.set_function(lambda: float(conversations()))
@@ -101,6 +156,12 @@ class RouterMetrics:
             self.kv_tokens.inc(turn.restored_tokens)
         if turn.ttft_s is not None:
             self.ttft.observe(turn.ttft_s)
+            if turn.path is not None:
+                self.path_ttft.labels(turn.path).observe(turn.ttft_s)
+        if turn.path is not None and turn.reason is not None:
+            self.decisions.labels(turn.path, turn.reason).inc()
+            if turn.uncached_tokens is not None:
+                self.uncached.labels(turn.path).observe(turn.uncached_tokens)
 
     def render(self) -> web.Response:
         return web.Response(body=generate_latest(self.registry),

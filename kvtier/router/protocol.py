@@ -18,11 +18,18 @@ Invariants:
   format characters such as a newline or a bidi override), so it can be logged and used as
   a map key; it is still logged quoted (``repr``), being the client's text.
 * The caller's ``Authorization`` header goes to both backends unchanged (vLLM servers
-  started with ``--api-key`` need it); no other client header is forwarded.
+  started with ``--api-key`` need it); no other client header is forwarded. With tenants
+  the router replaces it (``kvtier.router.tenants``): a tenant's key never leaves it.
+* With a tenant, ``cache_salt`` is the tenant's salt, whatever the client sent or left out:
+  tenants never share KV, and requests of one tenant do.
+* ``prompt_bytes`` is the UTF-8 size of the prompt text (chat: the message contents), and
+  ``prompt_tokens`` the exact count when the client sent token ids; the router estimates
+  tokens from them (``kvtier.router.selective.Estimator``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -81,6 +88,8 @@ class ProxyRequest:
     own: Mapping[str, Any]  # the client's ``PHASE_FIELDS`` that it set; never mutated
     rest: bytes  # every other client field but ``conversation_id``, as one JSON object
     authorization: str | None = None  # the caller's header, forwarded to the backends
+    prompt_bytes: int = 0  # UTF-8 bytes of the prompt text (chat: of the contents)
+    prompt_tokens: int | None = None  # exact, when the prompt is token ids
 
 
 def encode_json(doc: object) -> bytes:
@@ -127,17 +136,47 @@ def _check_token_limit(body: Mapping[str, Any], name: str) -> None:
         raise _bad(f"'{name}' must be a positive integer, got {value!r}")
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The raw request body; ``RouterError(413)`` if it exceeds the app's size limit."""
+async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
+    """The raw request body; ``RouterError(413)`` if it exceeds the app's size limit,
+    ``RouterError(408)`` if it did not arrive within ``timeout`` seconds."""
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
-        raise RouterError(413, f"request body too large: {e.text}") from None
+        raise RouterError(413, f"request body too large: {e.text} (--max-body-bytes)") from None
+    except TimeoutError:
+        raise RouterError(408, f"request body not received within {timeout:g}s "
+                          "(--body-timeout)", "timeout",
+                          {"Connection": "close"}) from None
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str]) -> ProxyRequest:
+def _text_bytes(value: object) -> int:
+    """UTF-8 bytes of the text in a prompt, message content, or list of content parts."""
+    if isinstance(value, str):
+        return len(value.encode(errors="surrogatepass"))
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return _text_bytes(value.get("text")) + _text_bytes(value.get("content"))
+    return 0
+
+
+def prompt_size(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, int | None]:
+    """``(bytes of prompt text, exact tokens or None)`` of a parsed client body."""
+    if endpoint == "chat":
+        return _text_bytes(body.get("messages")), None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return 0, len(prompt)
+    return _text_bytes(prompt), None
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], *,
+                  salt: str | None = None) -> ProxyRequest:
     """Validate a client body (and its conversation header), and encode it for the backends
-    once; raises ``RouterError(400)`` naming the offending field."""
+    once; raises ``RouterError(400)`` naming the offending field. A ``salt`` (the tenant's)
+    replaces the client's ``cache_salt``."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -160,9 +199,12 @@ def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str]) ->
         cid = _check_conversation_id(body.pop("conversation_id"), "'conversation_id'")
     elif header_id is not None:
         cid = _check_conversation_id(header_id, f"header {CONVERSATION_HEADER}")
+    if salt is not None:
+        body["cache_salt"] = salt
     own = {k: body.pop(k) for k in PHASE_FIELDS if k in body}
+    size, exact = prompt_size(endpoint, body)
     return ProxyRequest(endpoint, stream, cid, own, encode_json(body),
-                        headers.get(AUTHORIZATION))
+                        headers.get(AUTHORIZATION), size, exact)
 
 
 def parse_renew(raw: bytes) -> str:

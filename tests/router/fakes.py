@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvtier.clock import ManualClock
 from kvtier.router import RouterSettings
 from kvtier.router.app import build_app
-from kvtier.router.leases import Collector
+from kvtier.router.leases import ChainRenewer, Collector
 
 
 def completion_of(prompt: str, n_words: int = 6) -> list[str]:
@@ -59,6 +59,7 @@ class Backend:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # its caller hung up
     release: asyncio.Event = field(default_factory=asyncio.Event)
     last_key: str | None = None  # report this chain end instead of a hash of the text
+    health_calls: int = 0  # GET /health answered
 
     async def wait_for_calls(self, n: int) -> None:
         while len(self.bodies) < n:
@@ -82,6 +83,7 @@ class Backend:
         return app
 
     async def get_health(self, _request: web.Request) -> web.Response:
+        self.health_calls += 1
         return web.json_response({}, status=self.health)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -146,30 +148,34 @@ class Harness:
 @asynccontextmanager
 async def harness(prefill: Backend | None = None, decode: Backend | None = None,
                   decode_urls: tuple[str, ...] | None = None, real_tiers: bool = False,
-                  collector: Collector | None = None,
+                  collector: Collector | None = None, renewer: ChainRenewer | None = None,
                   **settings: Any) -> AsyncIterator[Harness]:
     prefill, decode = prefill or Backend(), decode or Backend()
     servers = [TestServer(prefill.app()), TestServer(decode.app())]
-    for s in servers:
-        await s.start_server()
     clock, renewed = ManualClock(), []
 
-    def renewer(last_key: str) -> int:
+    def recording_renewer(last_key: str) -> int:
         renewed.append(last_key)
         return 3
 
-    cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
-                         decode=decode_urls or (str(servers[1].make_url("")),), **settings)
-    app = build_app(cfg, clock=clock, renewer=None if real_tiers else renewer,
-                    collector=collector)
-    client = TestClient(RunAppServer(app))
-    await client.start_server()
+    client: TestClient[web.Request, web.Application] | None = None
     try:
+        for s in servers:
+            await s.start_server()
+        settings.setdefault("pd_mode", "always")  # most tests are about the P/D hand-off
+        cfg = RouterSettings(prefill=(str(servers[0].make_url("")),),
+                             decode=decode_urls or (str(servers[1].make_url("")),), **settings)
+        app = build_app(cfg, clock=clock,
+                        renewer=None if real_tiers else renewer or recording_renewer,
+                        collector=collector)
+        client = TestClient(RunAppServer(app))
+        await client.start_server()
         yield Harness(client, prefill, decode, clock, renewed)
     finally:
         prefill.release.set()
         decode.release.set()
-        await client.close()
+        if client is not None:
+            await client.close()
         for s in servers:
             await s.close()
 

@@ -371,6 +371,7 @@ def test_health_is_200_when_every_backend_is_and_503_naming_the_failed_one() -> 
                 assert resp.status == 200 and doc["status"] == "ok"
                 assert len(doc["prefill"]) == 1 and len(doc["decode"]) == 1
             h.decode.health = 503
+            h.clock.advance(1.0)  # the cached state is a second old
             async with h.client.get("/health") as resp:
                 doc = await resp.json()
                 assert resp.status == 503 and list(doc["failed"]) == doc["decode"]

@@ -124,7 +124,8 @@ def pd(tiny_fp32: Path, ceph: CephCluster) -> Iterator[PD]:
              APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
                        kv_transfer_config=kv_transfer_config(configs["decode"],
                                                              role="decode")) as dec:
-            args = ["--tiers", str(configs["prefill"]), "--request-timeout", "60"]
+            args = ["--tiers", str(configs["prefill"]), "--request-timeout", "60",
+                    "--pd-mode", "always"]  # these tests are about the P/D hand-off
             with router_process(tmp, p.url, dec.url, args=args) as url:
                 env = PD(p, dec, url, shared, FileTier(shared, 1 << 30))
                 try:
