@@ -522,13 +522,8 @@ class ObjectTier:
     def _expire_page(self, page: Page, cutoff: float) -> int:
         # An S3 listing has only LastModified; the stat below decides on kvtier's stamp.
         maybe = cutoff if self.transport.exact_listing else cutoff + CLOCK_SKEW_S
-        picked: list[_Pick] = []
-        for obj in page.objects:
-            if obj.used >= maybe:
-                continue
-            seen = self.index.get(obj.key)
-            if seen is None or seen.last_used < cutoff:  # else this node used it lately
-                picked.append((obj.key, seen))
+        picked: list[_Pick] = [(obj.key, self.index.get(obj.key))
+                               for obj in page.objects if obj.used < maybe]
         if not picked:
             return 0
         heads = self._heads(picked, "expire")
