@@ -40,6 +40,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
             mode=spec.mode,
             temp_grace=spec.temp_grace_seconds,
             clock=clock,
+            background_index=spec.index == "background",
             setting=f"{setting}.file",
         )
     from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
@@ -60,6 +61,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
         touch_interval=spec.touch_interval,
         conditionals=spec.conditionals,
         clock=clock,
+        background_index=spec.index == "background",
         name=f"s3{index}",
         setting=f"{setting}.s3",
     )

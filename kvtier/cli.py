@@ -25,6 +25,7 @@ from kvtier.objformat import ChunkMeta
 from kvtier.sizes import format_size, parse_size
 from kvtier.tiers.base import PutStatus, SharedTier, Tier, TierError
 from kvtier.tiers.file import FileTier
+from kvtier.tiers.objtier import ObjectTier
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_RESOURCE = 0, 1, 2, 3
 
@@ -90,7 +91,11 @@ def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
 
 
 def _lower_tiers(cfg: KVTierConfig, only: int | None) -> list[SharedTier]:
+    """The persistent tiers, each with its whole index (the tools wait for the scan)."""
     out = [lt.tier for lt in build_lower_tiers(cfg, SYSTEM_CLOCK, only=only)]
+    for tier in out:
+        if isinstance(tier, ObjectTier):
+            tier.wait_indexed()
     if only is not None and not out:
         raise ConfigError(f"--tier {only}: no such persistent tier (tiers[1..] only)")
     return out

@@ -98,6 +98,9 @@ class FileConfig(_Model):
     #: A temp file not written to for this long is an abandoned write (its writer died,
     #: on any node): removed by the start scan and the collector.
     temp_grace_seconds: float = Field(600.0, gt=0)
+    #: ``background``: the tier serves at once and its index fills on a thread (lookups
+    #: the index cannot answer yet are probed); ``blocking``: start waits for the scan.
+    index: Literal["background", "blocking"] = "background"
 
 
 class S3Config(_Model):
@@ -122,6 +125,8 @@ class S3Config(_Model):
     #: an endpoint ``kvtier check`` showed honours every one); ``untrusted`` skips it and
     #: uses the HEAD-checked fallbacks everywhere.
     conditionals: Literal["auto", "trusted", "untrusted"] = "auto"
+    #: As ``file.index``: ``background`` lists the prefix on a thread after the first page.
+    index: Literal["background", "blocking"] = "background"
 
 
 class TierEntry(_Model):

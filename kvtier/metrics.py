@@ -66,6 +66,15 @@ CORRUPTIONS = Series(
 )
 EVICTIONS = Series("kvtier_tier_evictions_total", _C, "Chunks evicted for capacity", ("tier",))
 USED = Series("kvtier_tier_used_bytes", _G, "Bytes held by the tier", ("tier",))
+INDEX_READY = Series(
+    "kvtier_tier_index_ready", _G,
+    "1 once the tier's start scan has filled its index, 0 while it runs (lookups probe)",
+    ("tier",),
+)
+INDEX_SCANNED = Series(
+    "kvtier_tier_index_scanned_objects", _G, "Objects the tier's start scan has indexed so far",
+    ("tier",),
+)
 OP_SECONDS = Series(
     "kvtier_tier_op_seconds", _H, "Latency of one tier get or put", ("tier", "op"), _SECONDS
 )
@@ -114,6 +123,7 @@ SERIES: dict[str, Series] = {
     s.name: s
     for s in (
         HITS, MISSES, BYTES_WRITTEN, BYTES_READ, ERRORS, CORRUPTIONS, EVICTIONS, USED,
+        INDEX_READY, INDEX_SCANNED,
         OP_SECONDS, DROPS, STORE_ERRORS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
         RESTORED_REQUESTS, SPILLED,
         WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
@@ -263,6 +273,9 @@ class TierMetrics:
         self.tier = tier
         self.counts = TierCounters()
         self._lock = threading.Lock()
+        #: The start scan (persistent tiers): objects indexed so far, and done yet.
+        self.index_scanned = 0
+        self.index_ready = True
 
     def _count(self, field: str, n: int) -> None:
         with self._lock:
@@ -296,6 +309,12 @@ class TierMetrics:
 
     def used(self, nbytes: int) -> None:
         _set(USED, nbytes, self.tier)
+
+    def index_scan(self, scanned: int, *, ready: bool) -> None:
+        """The start scan's progress: objects indexed so far, and whether it is done."""
+        self.index_scanned, self.index_ready = scanned, ready
+        _set(INDEX_SCANNED, scanned, self.tier)
+        _set(INDEX_READY, 1 if ready else 0, self.tier)
 
     def observe(self, op: str, seconds: float) -> None:
         _observe(OP_SECONDS, seconds, self.tier, op)

@@ -30,24 +30,16 @@ Invariants:
   part of the read: ``get_into`` queues it (one per key, at most ``STAMP_QUEUE``; beyond
   that this node's own recency is all that is kept) to one stamping thread, so a read's
   time, which the breaker judges, is the read's alone.
-* The index (coldest first, by kvtier's clock) is rebuilt by listing the prefix at start
-  and on ``rescan()``; a listing has only LastModified, which stands in for recency.
-  Objects other nodes write later are found by a HEAD on an index miss. ``collect()``
-  re-reads each victim's recency with a HEAD, keeps those another node used since, and
-  deletes the rest conditioned on the ETag it saw (a conditional batch, conditional
-  DELETEs, or one HEAD-compare-DELETE each that also compares the stamp; ``s3caps.Deleter``),
-  so an object replaced by different bytes survives (a restamp may keep the ETag: only the
-  HEAD path sees it).
-* Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start. ``renew`` rewrites
-  it to now unconditionally; ``expire`` lists the prefix, HEADs each candidate (another
-  node may have renewed it) and deletes the expired ones the same way as ``collect``.
-* No I/O under the index lock (``RecencyIndex``): a lookup never waits for a HEAD or a
-  DELETE. ``collect`` and ``expire`` pick victims from a snapshot of the index, HEAD and
-  DELETE unlocked, skip a victim this node read, wrote or renewed since the snapshot, and
-  drop only the entry they picked. A use between that check and the DELETE (the HEAD's
-  answer, for other nodes) is lost, costing a recompute, never wrong KV. One collection
-  at a time (``_collecting``): ``collect`` returns at once while one runs, ``expire``
-  waits for it. Any thread may call any method.
+* The index, recency, capacity, leases and the walk are ``kvtier.tiers.objtier``'s; this
+  module is the prefix's transport (``S3Transport``) and the restamp thread. A page of
+  the walk is one listing page (1,000 keys); a listing has only LastModified, which
+  stands in for recency until a HEAD reads ``kvtier-used``. Victims of ``collect`` and
+  ``expire`` are HEADed (in parallel) and deleted conditioned on the ETag the HEAD saw (a
+  conditional batch, conditional DELETEs, or one HEAD-compare-DELETE each that also
+  compares the stamp; ``s3caps.Deleter``), so an object replaced by different bytes
+  survives (a restamp may keep the ETag: only the HEAD path sees it).
+* Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start; ``renew`` rewrites
+  it to now unconditionally. Any thread may call any method.
 * Endpoint faults are retried by botocore (standard mode: backoff, ``max_attempts`` tries
   in all, connect/read timeouts), then counted and turned into misses or
   ``PutStatus.FAILED``; data-path methods never raise them. Credentials come only from
@@ -60,9 +52,8 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
@@ -70,61 +61,153 @@ from botocore.exceptions import BotoCoreError, ClientError
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.iopool import IOPool, IOPoolClosed
 from kvtier.keys import ChunkKey, key_from_hex
-from kvtier.metrics import TierMetrics
-from kvtier.objformat import (
-    HEADER_SPAN,
-    ChunkMeta,
-    ChunkSpec,
-    CorruptObject,
-    decode_header,
-    encode_header,
-    verify_payload,
-)
-from kvtier.tiers.base import (
-    ObjectInfo,
-    PutStatus,
-    TierError,
-    TierUsage,
-    WriteMode,
-    as_bytes_view,
-)
-from kvtier.tiers.recency import Entry, RecencyIndex
-from kvtier.tiers.s3caps import USED, Deleter, Mode, Outcome, Victim, resolve, used
+from kvtier.tiers.base import TierError
+from kvtier.tiers.compact import key_int
+from kvtier.tiers.objtier import TICK_OBJECTS, ObjectTier
+from kvtier.tiers.s3caps import USED, Conditionals, Deleter, Mode, Victim, resolve, used
 from kvtier.tiers.s3check import check_bucket
 from kvtier.tiers.s3io import (
     MIN_PART,
     S3_ERRORS,
-    Changed,
-    Exists,
     Head,
     MiB,
-    Missing,
     ObjectIO,
     code,
     describe,
     make_client,
 )
+from kvtier.tiers.transport import KEY_SPACE_END, Listed, Outcome, Page, Stat, Version
 
 log = logging.getLogger("kvtier.s3")
 
 _SUFFIX = ".kv"
-_CLOCK_SKEW_S = 60.0  # leeway between a node's clock and the endpoint's LastModified
 _GONE = frozenset({"NoSuchKey", "404", "PreconditionFailed"})  # deleted or replaced
 #: Restamps waiting for the stamping thread; beyond that a hit keeps only local recency.
 STAMP_QUEUE = 256
+#: Keys one listing page asks for (S3's maximum).
+PAGE_KEYS = 1000
 
 
-@dataclass(frozen=True)
-class _Doomed:
-    key: ChunkKey
-    victim: Victim  # the object and the version (ETag, stamp) the decision was made on
-    seen: Entry | None  # the index entry the decision was made on (None: any)
+def _stat(head: Head) -> Stat:
+    return Stat(head.size, used(head), head.etag)
 
 
-class S3Tier:
-    #: ``put`` collects (capacity) itself; a ``TieredStore`` turns this off and queues
-    #: collection as a job of its own, outside the breaker-timed write.
-    collect_on_put = True
+class S3Transport:
+    """Objects under ``<prefix>kv/`` of one bucket (see the module invariants)."""
+
+    faults: tuple[type[Exception], ...] = S3_ERRORS
+    cheap_head = False
+    exact_listing = False
+
+    def __init__(self, io: ObjectIO, prefix: str, conditionals: Conditionals) -> None:
+        self.io = io
+        self.bucket = io.bucket
+        self.prefix = prefix
+        self.conditionals = conditionals
+        self._deleter = Deleter(io, conditionals)
+
+    def object_name(self, key: ChunkKey) -> str:
+        h = key.hex()
+        return f"{self.prefix}kv/{h[0:2]}/{h}{_SUFFIX}"
+
+    def key_of(self, name: str) -> ChunkKey | None:
+        try:
+            key = key_from_hex(name[len(self.prefix) + 6 : -len(_SUFFIX)])
+        except ValueError:
+            return None
+        return key if name == self.object_name(key) else None
+
+    def describe(self, key: ChunkKey) -> str:
+        return f"s3://{self.bucket}/{self.object_name(key)}"
+
+    def head(self, key: ChunkKey) -> Stat | None:
+        head = self.io.head(self.object_name(key))
+        return None if head is None else _stat(head)
+
+    def heads(self, keys: Sequence[ChunkKey]) -> list[Stat | None]:
+        return self.io.parallel(self.head, keys)
+
+    def read(self, key: ChunkKey, head: memoryview, body: memoryview,
+             plan: int) -> tuple[int, Version]:
+        return self.io.read(self.object_name(key), head, body, plan)
+
+    def read_header(self, key: ChunkKey, head: memoryview) -> int | None:
+        try:
+            r = self.io.client.get_object(Bucket=self.bucket, Key=self.object_name(key),
+                                          Range=f"bytes=0-{head.nbytes - 1}")
+            data = r["Body"].read()
+            total = int(r["ContentRange"].rsplit("/", 1)[1])
+        except ClientError as e:
+            if code(e) in _GONE or code(e) == "InvalidRange":
+                return None
+            raise
+        except (KeyError, ValueError) as e:
+            raise BotoCoreError() from e
+        head[: len(data)] = data
+        return total
+
+    def write(self, key: ChunkKey, header: memoryview, body: memoryview, *, create: bool,
+              now: float) -> float:
+        self.io.write(self.object_name(key), header, body, {USED: repr(now)}, create=create)
+        return now
+
+    def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
+        return self._deleter.delete_one(Victim(self.object_name(key), str(version)))
+
+    def copy_stamp(self, name: str, now: float, etag: str = "") -> bool:
+        """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
+        (only if it is still version ``etag``, when given and the endpoint honours that;
+        copying a newer version instead is harmless, see ``s3caps``); False if gone.
+        Raises endpoint faults."""
+        cond = {"CopySourceIfMatch": etag} if etag and self.conditionals.copy_if_match else {}
+        try:
+            self.io.client.copy_object(
+                Bucket=self.bucket, Key=name, CopySource={"Bucket": self.bucket, "Key": name},
+                MetadataDirective="REPLACE", Metadata={USED: repr(now)}, **cond,
+            )
+        except ClientError as e:
+            if code(e) in _GONE:
+                return False
+            raise
+        return True
+
+    def stamp(self, key: ChunkKey, now: float) -> Stat | None:
+        name = self.object_name(key)
+        if not self.copy_stamp(name, now):
+            return None
+        head = self.io.head(name)
+        return None if head is None else Stat(head.size, now, head.etag)
+
+    def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
+               ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
+        by_name = {self.object_name(k): k for k, _ in victims}
+        removal = self._deleter.delete([
+            Victim(self.object_name(k), "", None) if st is None
+            else Victim(self.object_name(k), str(st.version), st.used) for k, st in victims])
+        return {by_name[n]: o for n, o in removal.outcomes.items()}, removal.fault
+
+    def page(self, cursor: object | None) -> Page:
+        """One listing page; the cursor is ``(continuation token, first key number)``."""
+        token, lo = cursor if isinstance(cursor, tuple) else (None, 0)
+        kw: dict[str, Any] = {"ContinuationToken": token} if token else {}
+        r = self.io.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}kv/",
+                                           MaxKeys=PAGE_KEYS, **kw)
+        found: list[Listed] = []
+        for obj in r.get("Contents", []):
+            key = self.key_of(obj["Key"])
+            if key is not None:
+                found.append(Listed(key, int(obj["Size"]), obj["LastModified"].timestamp()))
+        if not r.get("IsTruncated"):
+            return Page(found, lo, KEY_SPACE_END, None)
+        hi = key_int(found[-1].key) if found else lo - 1
+        return Page(found, lo, hi, (r["NextContinuationToken"], max(lo, hi + 1)))
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class S3Tier(ObjectTier):
+    """The object tier over an S3 prefix (see the module invariants)."""
 
     def __init__(
         self,
@@ -147,20 +230,14 @@ class S3Tier:
         name: str = "s3",
         setting: str = "s3",
         conditionals: Mode = "auto",
+        background_index: bool = False,
+        tick_objects: int = TICK_OBJECTS,
     ) -> None:
-        self._name = name
-        self._setting = setting
+        """``background_index``: return after the first listing page and fill the index
+        on a thread (an engine start); else the constructor lists the whole prefix."""
         self.bucket = bucket
         self.prefix = "".join(f"{p}/" for p in prefix.split("/") if p)  # "/a//b" -> "a/b/"
         self.endpoint_url = endpoint_url
-        self.capacity = capacity_bytes
-        self._touch_interval = touch_interval
-        self._low_watermark = low_watermark
-        self._clock = clock
-        self.metrics = TierMetrics(name)
-        self._recency = RecencyIndex()
-        self._collecting = threading.Lock()  # one collection at a time
-        self._faulting = False  # log the first fault of an outage; count the rest
         self._stamps: IOPool | None = None  # restamps after hits, off the read path
         self._stamp_keys: set[ChunkKey] = set()  # queued restamps (one per key)
         self._stamp_lock = threading.Lock()
@@ -193,139 +270,27 @@ class S3Tier:
             workers=max_concurrency,
             conditionals=self.conditionals,
         )
-        self._deleter = Deleter(self.io, self.conditionals)
+        self.objects = S3Transport(self.io, self.prefix, self.conditionals)
+        super().__init__(self.objects, capacity_bytes, name=name, clock=clock,
+                         touch_interval=touch_interval, low_watermark=low_watermark,
+                         tick_objects=tick_objects)
         try:
-            self.rescan()
-        except TierError:
-            self.io.close()
-            raise
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def _fault(self, op: str, e: Exception) -> None:
-        self.metrics.error(op)
-        if not self._faulting:
-            what = f"S3 {op} failed ({describe(e)}); counting, not logging, until it recovers"
-            log.warning("%s: %s", self._name, what)
-        self._faulting = True
-
-    def object_name(self, key: ChunkKey) -> str:
-        h = key.hex()
-        return f"{self.prefix}kv/{h[0:2]}/{h}{_SUFFIX}"
-
-    def _key_of(self, name: str) -> ChunkKey | None:
-        try:
-            key = key_from_hex(name[len(self.prefix) + 6 : -len(_SUFFIX)])
-        except ValueError:
-            return None
-        return key if name == self.object_name(key) else None
-
-    # -- index ---------------------------------------------------------------------------
-    def rescan(self) -> None:
-        """Rebuild the index by listing the prefix (other nodes' objects included)."""
-        found: list[tuple[float, ChunkKey, int]] = []
-        try:
-            pages = self.io.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=f"{self.prefix}kv/"
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    key = self._key_of(obj["Key"])
-                    if key is not None:
-                        found.append((obj["LastModified"].timestamp(), key, int(obj["Size"])))
+            self._open(background_index)
         except S3_ERRORS as e:
+            self.io.close()
             raise TierError(
-                f"{self._setting}: listing s3://{self.bucket}/{self.prefix}kv/ failed "
+                f"{setting}: listing s3://{bucket}/{self.prefix}kv/ failed "
                 f"({describe(e)}); the credentials need s3:ListBucket on this bucket"
             ) from None
-        self._recency.reset(found)
-        self.metrics.used(self._recency.bytes)
 
-    def _known(self, key: ChunkKey) -> bool:
-        """Indexed, or in the bucket (written by another node). The index may be stale:
-        another node's collector can delete what we remember; a read then misses."""
-        if key in self._recency:
-            return True
-        return self._in_bucket(key)
+    def object_name(self, key: ChunkKey) -> str:
+        return self.objects.object_name(key)
 
-    def _in_bucket(self, key: ChunkKey) -> bool:
-        """Ask the endpoint (HEAD), never the index; refresh the index either way."""
-        try:
-            head = self.io.head(self.object_name(key))
-        except S3_ERRORS as e:
-            self._fault("head", e)
-            return False
-        if head is None:
-            self._recency.forget(key)
-            return False
-        self._recency.remember(key, head.size, used(head))
-        return True
-
-    # -- Tier protocol -------------------------------------------------------------------
-    def indexed(self, key: ChunkKey) -> bool:
-        """In this node's index (memory only; may be stale, see ``contains_prefix``)."""
-        return key in self._recency
-
-    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        for i, key in enumerate(keys):
-            if not self._known(key):
-                return i
-        return len(keys)
-
-    def get_into(
-        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
-    ) -> ChunkMeta | None:
-        t0 = time.perf_counter()
-        dst = as_bytes_view(dst)
-        name = self.object_name(key)
-        head = memoryview(bytearray(HEADER_SPAN))
-        cap = HEADER_SPAN + dst.nbytes
-        entry = self._recency.get(key)
-        plan = max(1, min(entry.size, cap)) if entry is not None else cap
-        try:
-            try:
-                total, etag = self.io.read(name, head, dst, plan)
-            except Changed:  # replaced mid-read (a restamp of a multipart object): once more
-                total, etag = self.io.read(name, head, dst, plan)
-        except (Missing, Changed) as e:
-            if isinstance(e, Missing):
-                self._recency.forget(key)
-            self.metrics.miss()
-            return None
-        except S3_ERRORS as e:
-            self._fault("get", e)
-            self.metrics.miss()
-            return None
-        try:
-            span = head[: min(total, HEADER_SPAN)]
-            meta, csum = decode_header(
-                span, expect_key=key, expect=expect, object_len=total, max_payload=dst.nbytes
-            )
-            verify_payload(meta, csum, dst[: meta.payload_len])
-        except CorruptObject as e:
-            self._quarantine(key, name, etag, str(e))
-            self.metrics.miss()
-            return None
-        self._faulting = False
-        self._touch(key, name, total, etag)
-        self.metrics.hit(meta.payload_len)
-        self.metrics.observe("get", time.perf_counter() - t0)
-        return meta
-
-    def _touch(self, key: ChunkKey, name: str, size: int, etag: str) -> None:
-        now = self._clock.wall()
-        entry = self._recency.get(key)
-        if entry is not None and now - entry.touched < self._touch_interval:
-            self._recency.use(key, now)  # this node's view; the shared one waits for the next
-            return
-        self._recency.remember(key, size, now, now)
-        self._queue_stamp(key, name, now, etag)
-
-    def _queue_stamp(self, key: ChunkKey, name: str, now: float, etag: str) -> None:
+    # -- restamps after hits, on their own thread ------------------------------------------
+    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> None:
         """Restamp on the stamping thread; dropped (this node's recency is kept) when
         ``STAMP_QUEUE`` are waiting or one for ``key`` already is."""
+        name, etag = self.object_name(key), str(version)
         with self._stamp_lock:
             if key in self._stamp_keys or len(self._stamp_keys) >= STAMP_QUEUE:
                 return
@@ -355,221 +320,16 @@ class S3Tier:
             return len(self._stamp_keys)
 
     def _stamp(self, name: str, now: float, etag: str = "") -> bool:
-        """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
-        (only if it is still version ``etag``, when given and the endpoint honours that;
-        copying a newer version instead is harmless, see ``s3caps``); False if gone or
-        failed."""
-        cond = {"CopySourceIfMatch": etag} if etag and self.conditionals.copy_if_match else {}
+        """``S3Transport.copy_stamp``, its faults counted; False if gone or failed."""
         try:
-            self.io.client.copy_object(
-                Bucket=self.bucket,
-                Key=name,
-                CopySource={"Bucket": self.bucket, "Key": name},
-                MetadataDirective="REPLACE",
-                Metadata={USED: repr(now)},
-                **cond,
-            )
-        except ClientError as e:
-            if code(e) not in _GONE:
-                self._fault("touch", e)
-            return False
-        except BotoCoreError as e:
+            return self.objects.copy_stamp(name, now, etag)
+        except S3_ERRORS as e:
             self._fault("touch", e)
             return False
-        return True
-
-    def _quarantine(self, key: ChunkKey, name: str, etag: str, why: str) -> None:
-        """Delete a corrupt object, unless someone replaced it since it was read."""
-        self.metrics.corrupt()
-        outcome = self._deleter.delete_one(Victim(name, etag))
-        if isinstance(outcome, Exception):
-            self._fault("delete", outcome)
-        done = "removed" if outcome is Outcome.DELETED else "not removed"
-        log.warning("corrupt object s3://%s/%s %s: %s", self.bucket, name, done, why)
-        self._recency.forget(key)
-
-    def put(
-        self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
-    ) -> PutStatus:
-        t0 = time.perf_counter()
-        create = mode is WriteMode.CREATE
-        # An indexed key is confirmed with a HEAD (not a blind conditional PUT of the whole
-        # payload): a stale entry must not turn a write-through into a silent no-op.
-        if create and meta.key in self._recency and self._in_bucket(meta.key):
-            return PutStatus.EXISTS
-        if meta.object_len > self.capacity:
-            return PutStatus.NO_SPACE
-        body = as_bytes_view(payload)
-        head = memoryview(encode_header(meta, body))
-        now = self._clock.wall()
-        try:
-            self.io.write(self.object_name(meta.key), head, body, {USED: repr(now)}, create=create)
-        except Exists:
-            return PutStatus.EXISTS
-        except S3_ERRORS as e:
-            self._fault("put", e)
-            return PutStatus.FAILED
-        self._faulting = False
-        self._recency.remember(meta.key, meta.object_len, now, now)
-        self.metrics.wrote(meta.payload_len)
-        self.metrics.observe("put", time.perf_counter() - t0)
-        if self.collect_on_put:  # else whoever owns the tier collects (TieredStore)
-            self.collect()
-        self.metrics.used(self._recency.bytes)
-        return PutStatus.STORED
-
-    def delete(self, keys: Iterable[ChunkKey]) -> int:
-        names = {self.object_name(k): k for k in keys if self._known(k)}
-        doomed = {n: _Doomed(k, Victim(n, ""), None) for n, k in names.items()}
-        return self._delete(doomed, evicting=False)[0]
-
-    def _delete(self, doomed: dict[str, _Doomed], *, evicting: bool) -> tuple[int, int]:
-        """Delete ``doomed`` (by object name), each only while it is still the version its
-        victim names (``s3caps.Deleter``). A deleted key leaves the index only if its entry
-        is still the one ``seen``. Returns ``(objects, bytes)`` deleted."""
-        n = freed = 0
-        removal = self._deleter.delete([d.victim for d in doomed.values()])
-        if removal.fault is not None:
-            self._fault("collect" if evicting else "delete", removal.fault)
-        for name, outcome in removal.outcomes.items():
-            d = doomed[name]
-            if outcome is Outcome.KEPT:  # e.g. replaced since
-                continue
-            if d.seen is None:
-                entry = self._recency.forget(d.key)
-                size = entry.size if entry is not None else 0
-            else:
-                self._recency.forget_if(d.key, d.seen)
-                size = d.seen.size
-            if outcome is Outcome.DELETED:
-                n, freed = n + 1, freed + size
-        if evicting:
-            self.metrics.evicted(n)
-        self.metrics.used(self._recency.bytes)
-        return n, freed
-
-    def scan(self) -> Iterator[ObjectInfo]:
-        for key, e in self._recency.items():
-            yield ObjectInfo(key, e.size, e.last_used)
-
-    def usage(self) -> TierUsage:
-        return self._recency.usage(self.capacity)
-
-    # -- capacity ------------------------------------------------------------------------
-    def collect(self) -> int:
-        """Delete least recently used objects until usage is under the low watermark.
-        Returns 0 at once if another thread is collecting."""
-        if not self._collecting.acquire(blocking=False):
-            return 0
-        try:
-            if self._recency.bytes <= self.capacity:
-                return 0
-            freed = 0
-            for _ in range(3):  # victims another node used meanwhile are kept; pick again
-                victims = self._victims(int(self.capacity * self._low_watermark))
-                if not victims:
-                    break
-                heads = self._heads(victims, "collect")
-                if heads is None:
-                    break
-                doomed = self._doom(victims, heads, None)
-                freed += self._delete(doomed, evicting=True)[1]
-            return freed
-        finally:
-            self._collecting.release()
-
-    def _victims(self, target: int) -> list[tuple[ChunkKey, Entry]]:
-        """The coldest entries whose removal brings usage down to ``target`` bytes."""
-        out, snapshot = [], self._recency.items()
-        excess = sum(e.size for _, e in snapshot) - target
-        for key, entry in snapshot:
-            if excess <= 0:
-                break
-            out.append((key, entry))
-            excess -= entry.size
-        return out
-
-    def _heads(self, picked: list[tuple[ChunkKey, Entry]], op: str) -> list[Head | None] | None:
-        try:
-            return self.io.parallel(lambda p: self.io.head(self.object_name(p[0])), picked)
-        except S3_ERRORS as e:
-            self._fault(op, e)
-            return None
-
-    def _doom(
-        self, picked: list[tuple[ChunkKey, Entry]], heads: list[Head | None],
-        keep_from: float | None,
-    ) -> dict[str, _Doomed]:
-        """Which of ``picked`` to delete, given their HEADs: not those gone, used by another
-        node at or after ``keep_from`` (None: after the pick), or recorded by this node
-        since the pick. Updates the index for the ones kept."""
-        doomed: dict[str, _Doomed] = {}
-        for (key, seen), head in zip(picked, heads, strict=True):
-            if head is None:
-                self._recency.forget_if(key, seen)  # already gone
-            elif used(head) >= (seen.last_used + 1e-3 if keep_from is None else keep_from):
-                self._recency.replace_if(key, seen, head.size, used(head))
-            elif self._recency.get(key) is seen:  # else this node used it since the pick
-                name = self.object_name(key)
-                doomed[name] = _Doomed(key, Victim(name, head.etag, used(head)), seen)
-        return doomed
-
-    # -- leases --------------------------------------------------------------------------
-    def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
-        """The object's verified header (not its payload), or ``None`` if absent or bad."""
-        try:
-            r = self.io.client.get_object(
-                Bucket=self.bucket, Key=self.object_name(key), Range=f"bytes=0-{HEADER_SPAN - 1}"
-            )
-            head = r["Body"].read()
-            total = int(r["ContentRange"].rsplit("/", 1)[1])
-        except ClientError as e:
-            if code(e) not in _GONE and code(e) != "InvalidRange":
-                self._fault("get", e)
-            return None
-        except (BotoCoreError, KeyError, ValueError) as e:
-            self._fault("get", e)
-            return None
-        try:
-            return decode_header(memoryview(head), expect_key=key, object_len=total)[0]
-        except CorruptObject:
-            return None
-
-    def renew(self, key: ChunkKey) -> bool:
-        """Restart the object's lease now; ``False`` if it is not there."""
-        now = self._clock.wall()
-        name = self.object_name(key)
-        if not self._stamp(name, now):
-            self._recency.forget(key)
-            return False
-        try:
-            head = self.io.head(name)
-        except S3_ERRORS as e:
-            self._fault("head", e)
-            return False
-        if head is None:
-            self._recency.forget(key)
-            return False
-        self._recency.remember(key, head.size, now, now)
-        return True
-
-    def expire(self, lease_seconds: float) -> int:
-        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        with self._collecting:
-            self.rescan()  # listing times are the endpoint's LastModified, not kvtier's stamp
-            cutoff = self._clock.wall() - lease_seconds
-            maybe = cutoff + _CLOCK_SKEW_S  # the HEAD below decides with kvtier's own stamp
-            old = [(k, e) for k, e in self._recency.items() if e.last_used < maybe]
-            if not old:
-                return 0
-            heads = self._heads(old, "expire")
-            if heads is None:
-                return 0
-            return self._delete(self._doom(old, heads, cutoff), evicting=True)[0]
 
     def close(self) -> None:
         with self._stamp_lock:
             stamps, self._stamps = self._stamps, None
         if stamps is not None:
             stamps.close(timeout=0)  # a restamp stuck in a hung endpoint is abandoned
-        self.io.close()
+        super().close()

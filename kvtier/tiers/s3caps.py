@@ -41,7 +41,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from typing import Any, Literal
 from botocore.exceptions import ClientError
 
 from kvtier.tiers.s3io import S3_ERRORS, Head, ObjectIO, code, describe, status
+from kvtier.tiers.transport import Outcome
 
 log = logging.getLogger("kvtier.s3")
 
@@ -263,12 +263,6 @@ class Victim:
     name: str
     etag: str
     used: float | None = None
-
-
-class Outcome(enum.Enum):
-    DELETED = "deleted"
-    KEPT = "kept"  # changed since the decision (or the endpoint refused): not deleted
-    GONE = "gone"  # no object there any more
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.iopool import IOPool
 from kvtier.objformat import HEADER_SPAN
+from kvtier.tiers.transport import Changed, Exists, Missing
 
 if TYPE_CHECKING:
     from kvtier.tiers.s3caps import Conditionals
@@ -51,18 +52,6 @@ MAX_PARTS = 10_000
 READ_SLICE = MiB  # NOTE: urllib3's readinto reads into a temporary first; bound its size
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-
-
-class Missing(Exception):
-    """The object does not exist."""
-
-
-class Changed(Exception):
-    """The object was replaced while its ranges were being read."""
-
-
-class Exists(Exception):
-    """A conditional create found the object already there."""
 
 
 class BadAnswer(Exception):

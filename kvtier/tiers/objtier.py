@@ -1,0 +1,536 @@
+"""``ObjectTier``: the one algorithm of a persistent tier of objects (file, S3) over a
+``Transport`` (``kvtier.tiers.transport``): index, start scan, lookups, reads and writes
+with verification, recency, capacity collection, leases and expiry, and the walk that keeps
+the index fresh. ``FileTier`` and ``S3Tier`` only build a transport and add what their
+store alone has (temp files; the restamp thread).
+
+Invariants:
+
+* **Serve from the first second.** The constructor lists one page (a store that cannot
+  be listed fails there, with a message naming the setting) and, with
+  ``background_index``, fills the rest of the index on a thread of its own. Until it is
+  complete a key the index does not know is answered by the store itself
+  (``contains_prefix`` asks it: ``TieredStore.probe`` does that on a probe thread, never
+  the scheduler's), and ``collect`` does nothing (usage is not known yet). Progress and
+  readiness are exported (``kvtier_tier_index_scanned_objects``, ``kvtier_tier_index_ready``)
+  and the end is logged with the time taken.
+* **A compact index** (``CompactIndex``, 44 bytes an entry plus its table cell). Scanned
+  entries are linked coldest first when the scan ends; until then eviction has nothing to
+  go on, which is why ``collect`` waits.
+* **Incremental freshness.** The walk lists one page per step (one top-level directory,
+  one S3 listing page) and reconciles it with the index: objects other nodes wrote are
+  added, objects gone from the page's key range (and not recorded since the listing
+  began) are dropped, and (exact listings) newer stamps are taken. ``expire`` walks at
+  most ``tick_objects`` listed objects per call (whole pages; a pass ends a call), so a
+  full pass takes ``ceil(objects / tick_objects)`` heartbeats and no heartbeat lists the
+  world; ``collect`` takes one page every ``walk_interval`` seconds.
+* **Re-checks before deletion.** ``collect`` and ``expire`` decide on an index snapshot,
+  then ask the store for each victim's stamp (``heads``), keep those another node used at
+  or after the decision's bound, keep those this node recorded anything for since the
+  snapshot (versions), and delete the rest only while each is still the version its
+  stat saw (``Transport.remove``); only the entry they picked leaves the index. A use in
+  the window between that check and the delete costs a recompute, never wrong KV.
+* No I/O under the index lock; one collection at a time (``collect`` returns at once
+  while one runs, ``expire`` and ``rescan`` wait for it).
+* Any thread may call any method; data-path methods never raise store faults (they are
+  counted, the first of an outage logged) and turn them into misses or ``FAILED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvtier.clock import Clock
+from kvtier.keys import ChunkKey
+from kvtier.metrics import TierMetrics
+from kvtier.objformat import (
+    HEADER_SPAN,
+    ChunkMeta,
+    ChunkSpec,
+    CorruptObject,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from kvtier.tiers.base import ObjectInfo, PutStatus, TierUsage, WriteMode, as_bytes_view
+from kvtier.tiers.compact import MAX_SIZE, CompactIndex, Entry
+from kvtier.tiers.transport import (
+    Changed,
+    Exists,
+    Missing,
+    Outcome,
+    Page,
+    Stat,
+    Transport,
+    Version,
+)
+
+log = logging.getLogger("kvtier.objtier")
+
+#: Leeway between a node's clock and a store's listing times (S3 LastModified).
+CLOCK_SKEW_S = 60.0
+#: Listed objects one ``expire`` call walks at most (whole pages).
+TICK_OBJECTS = 20_000
+#: Victims one ``collect`` round considers at most.
+COLLECT_MAX = 4096
+_FILL_BATCH = 512  # scanned entries added per index lock hold
+
+_Pick = tuple[ChunkKey, Entry | None]
+_Doomed = tuple[ChunkKey, Stat, Entry | None]
+
+
+class ObjectTier:
+    #: ``put`` collects (capacity) itself; a ``TieredStore`` turns this off and queues
+    #: collection as a job of its own, outside the breaker-timed write.
+    collect_on_put = True
+
+    def __init__(
+        self, transport: Transport, capacity_bytes: int, *, name: str, clock: Clock,
+        touch_interval: float, low_watermark: float, tick_objects: int = TICK_OBJECTS,
+        walk_interval: float = 30.0,
+    ) -> None:
+        """Subclasses call ``_open`` once their transport is ready."""
+        self.transport = transport
+        self.capacity = capacity_bytes
+        self._name = name
+        self._clock = clock
+        self._touch_interval = touch_interval
+        self._low_watermark = low_watermark
+        self._tick_objects = max(1, tick_objects)
+        self._walk_interval = walk_interval
+        self.metrics = TierMetrics(name)
+        self.index = CompactIndex()
+        self._collecting = threading.Lock()  # one collection at a time; held across I/O
+        self._cursor: object | None = None  # the walk's next page
+        self._next_walk = clock.monotonic() + walk_interval
+        #: Full passes the walk has completed (tests, benchmarks).
+        self.passes = 0
+        self._ready = threading.Event()
+        self._closed = False
+        self._faulting = False  # log the first fault of an outage; count the rest
+        self.index_seconds: float | None = None  # how long the start scan took
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # -- start scan ----------------------------------------------------------------------
+    def _open(self, background: bool) -> None:
+        """List the first page here (raises the transport's fault if the store cannot be
+        listed), the rest here or, with ``background``, on a thread of its own."""
+        self.metrics.index_scan(0, ready=False)
+        t0 = time.perf_counter()
+        first = self.transport.page(None)
+        if background and first.next is not None:
+            threading.Thread(target=self._fill, args=(first, t0), name=f"{self._name}-index",
+                             daemon=True).start()
+        else:
+            self._fill(first, t0)
+
+    def _fill(self, page: Page, t0: float) -> None:
+        n = 0
+        try:
+            while True:
+                for i in range(0, len(page.objects), _FILL_BATCH):
+                    self.index.add_scanned(page.objects[i : i + _FILL_BATCH])
+                n += len(page.objects)
+                self.metrics.index_scan(n, ready=False)
+                if page.next is None or self._closed:
+                    break
+                page = self.transport.page(page.next)
+        except Exception as e:  # the thread must end ready: the walk finds the rest
+            self._fault("scan", e)
+            log.warning("%s: the start scan stopped after %d objects (%s); the walk "
+                        "finds the rest", self._name, n, type(e).__name__)
+        self.index.finish_scan()
+        self._after_fill()
+        self._report_used()
+        self.index_seconds = time.perf_counter() - t0
+        self._ready.set()
+        self.metrics.index_scan(n, ready=True)
+        log.info("%s: index ready: %d objects scanned in %.2f s (%d indexed)", self._name, n,
+                 self.index_seconds, len(self.index))
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Wait until the start scan is done (tools, tests); True if it is."""
+        return self._ready.wait(timeout)
+
+    @property
+    def index_ready(self) -> bool:
+        return self._ready.is_set()
+
+    # -- hooks of the store kinds ----------------------------------------------------------
+    def _after_fill(self) -> None:
+        """Runs once the start scan is done (on its thread)."""
+
+    def _extra_bytes(self) -> int:
+        """Bytes the store holds outside indexed objects (temp files)."""
+        return 0
+
+    def _before_collect(self) -> None:
+        """Runs at the start of each ``collect`` (under the collection lock)."""
+
+    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> None:
+        """Write the shared stamp after a hit (at most once per ``touch_interval``)."""
+        try:
+            self.transport.stamp(key, now)
+        except self.transport.faults as e:
+            self._fault("touch", e)
+
+    # -- small helpers -------------------------------------------------------------------
+    def _fault(self, op: str, e: Exception) -> None:
+        self.metrics.error(op)
+        if not self._faulting:
+            log.warning("%s: %s failed (%s); counting, not logging, until it recovers",
+                        self._name, op, type(e).__name__)
+        self._faulting = True
+
+    def _used(self) -> int:
+        return self.index.bytes + self._extra_bytes()
+
+    def _report_used(self) -> None:
+        self.metrics.used(self._used())
+
+    def _known(self, key: ChunkKey) -> bool:
+        """Indexed, or in the store (written by another node, or not scanned yet). The
+        index may be stale: another node's collector can delete what we remember; a read
+        then misses and recomputes."""
+        return key in self.index or self._present(key)
+
+    def _present(self, key: ChunkKey) -> bool:
+        """Ask the store, never the index; refresh the index either way."""
+        try:
+            st = self.transport.head(key)
+        except self.transport.faults as e:
+            self._fault("head", e)
+            return False
+        if st is None:
+            self.index.forget(key)
+            return False
+        self.index.remember(key, st.size, st.used)
+        return True
+
+    # -- Tier protocol -------------------------------------------------------------------
+    def indexed(self, key: ChunkKey) -> bool:
+        """In this node's index (memory only; may be stale, see ``contains_prefix``)."""
+        return key in self.index
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """The stored prefix; asks the store of each key the index does not know (I/O:
+        IO and probe threads only)."""
+        for i, key in enumerate(keys):
+            if not self._known(key):
+                return i
+        return len(keys)
+
+    def get_into(
+        self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
+    ) -> ChunkMeta | None:
+        t0 = time.perf_counter()
+        dst = as_bytes_view(dst)
+        head = memoryview(bytearray(HEADER_SPAN))
+        entry = self.index.get(key)
+        cap = HEADER_SPAN + dst.nbytes
+        plan = max(1, min(entry.size, cap)) if entry is not None else cap
+        try:
+            try:
+                total, version = self.transport.read(key, head, dst, plan)
+            except Changed:  # replaced mid-read (a restamp of a multipart object): once more
+                total, version = self.transport.read(key, head, dst, plan)
+        except (Missing, Changed) as e:
+            if isinstance(e, Missing):
+                self.index.forget(key)
+            self.metrics.miss()
+            return None
+        except self.transport.faults as e:
+            self._fault("get", e)
+            self.metrics.miss()
+            return None
+        try:
+            meta, csum = decode_header(head[: min(total, HEADER_SPAN)], expect_key=key,
+                                       expect=expect, object_len=total, max_payload=dst.nbytes)
+            verify_payload(meta, csum, dst[: meta.payload_len])
+        except CorruptObject as e:
+            self._quarantine(key, version, str(e))
+            self.metrics.miss()
+            return None
+        self._faulting = False
+        self._touch(key, total, version)
+        self.metrics.hit(meta.payload_len)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return meta
+
+    def _touch(self, key: ChunkKey, size: int, version: Version) -> None:
+        now = self._clock.wall()
+        entry = self.index.get(key)
+        if entry is not None and now - entry.touched < self._touch_interval:
+            self.index.use(key, now)  # this node's view; the shared one waits for the next
+            return
+        self.index.remember(key, size, now, now)
+        self._after_hit(key, now, version)
+
+    def _quarantine(self, key: ChunkKey, version: Version, why: str) -> None:
+        """Remove a corrupt object, unless someone replaced it since it was read."""
+        self.metrics.corrupt()
+        outcome = self.transport.discard(key, version)
+        if isinstance(outcome, Exception):
+            self._fault("delete", outcome)
+        done = "removed" if outcome is Outcome.DELETED else "not removed"
+        log.warning("corrupt object %s %s: %s", self.transport.describe(key), done, why)
+        self.index.forget(key)
+
+    def put(
+        self, meta: ChunkMeta, payload: memoryview, mode: WriteMode = WriteMode.CREATE
+    ) -> PutStatus:
+        t0 = time.perf_counter()
+        create = mode is WriteMode.CREATE
+        # Ask the store, not the index: a stale entry (another node's collector removed
+        # the object) must not turn a write-through into a silent no-op.
+        if create and (self.transport.cheap_head or meta.key in self.index) \
+                and self._present(meta.key):
+            return PutStatus.EXISTS
+        if meta.object_len > min(self.capacity, MAX_SIZE):
+            return PutStatus.NO_SPACE
+        body = as_bytes_view(payload)
+        header = memoryview(encode_header(meta, body))
+        try:
+            stamp = self.transport.write(meta.key, header, body, create=create,
+                                         now=self._clock.wall())
+        except Exists:
+            return PutStatus.EXISTS
+        except self.transport.faults as e:
+            self._fault("put", e)
+            return PutStatus.FAILED
+        self._faulting = False
+        self.index.remember(meta.key, meta.object_len, stamp, stamp)
+        self.metrics.wrote(meta.payload_len)
+        self.metrics.observe("put", time.perf_counter() - t0)
+        if self.collect_on_put:  # else whoever owns the tier collects (TieredStore)
+            self.collect()
+        self._report_used()
+        return PutStatus.STORED
+
+    def delete(self, keys: Iterable[ChunkKey]) -> int:
+        known = [k for k in dict.fromkeys(keys) if self._known(k)]
+        outcomes, fault = self.transport.remove([(k, None) for k in known])
+        if fault is not None:
+            self._fault("delete", fault)
+        n = 0
+        for key in known:
+            outcome = outcomes.get(key)
+            if outcome is None or outcome is Outcome.KEPT:
+                continue
+            self.index.forget(key)
+            n += outcome is Outcome.DELETED
+        self._report_used()
+        return n
+
+    def scan(self) -> Iterator[ObjectInfo]:
+        for key, e in self.index.items():
+            yield ObjectInfo(key, e.size, e.last_used)
+
+    def usage(self) -> TierUsage:
+        """Objects indexed; bytes include what the store holds besides (temp files)."""
+        return TierUsage(len(self.index), self._used(), self.capacity)
+
+    # -- capacity ------------------------------------------------------------------------
+    def collect(self) -> int:
+        """Walk one page if ``walk_interval`` has passed, then delete least recently used
+        objects until usage is under the low watermark. Returns bytes freed; 0 at once if
+        another thread is collecting or the start scan is still running."""
+        if not self._collecting.acquire(blocking=False):
+            return 0
+        try:
+            if not self._ready.is_set():
+                return 0
+            now = self._clock.monotonic()
+            if now >= self._next_walk:
+                self._next_walk = now + self._walk_interval
+                for _ in self._walk(1, "collect"):
+                    pass
+            self._before_collect()
+            return self._evict_coldest()
+        finally:
+            self._collecting.release()
+
+    def _evict_coldest(self) -> int:
+        target = int(self.capacity * self._low_watermark)
+        freed = 0
+        if self._used() <= self.capacity:
+            return 0
+        for _ in range(3):  # victims another node used meanwhile are kept; pick again
+            excess = self._used() - target
+            if excess <= 0:
+                break
+            picked: list[_Pick] = list(self.index.coldest(COLLECT_MAX, excess))
+            if not picked:
+                break
+            heads = self._heads(picked, "collect")
+            if heads is None:
+                break
+            freed += self._remove(self._doom(picked, heads, None), evicting=True)[1]
+        self._report_used()
+        return freed
+
+    def _heads(self, picked: Sequence[_Pick], op: str) -> list[Stat | None] | None:
+        try:
+            return self.transport.heads([key for key, _ in picked])
+        except self.transport.faults as e:
+            self._fault(op, e)
+            return None
+
+    def _doom(
+        self, picked: Sequence[_Pick], heads: Sequence[Stat | None], keep_from: float | None
+    ) -> list[_Doomed]:
+        """Which of ``picked`` to delete, given their stats: not those gone, used (by any
+        node) at or after ``keep_from`` (None: after the entry picked), or recorded by this
+        node since the pick. Updates the index for the ones kept."""
+        doomed: list[_Doomed] = []
+        for (key, seen), st in zip(picked, heads, strict=True):
+            if st is None:
+                if seen is not None:
+                    self.index.forget_if(key, seen)  # already gone
+                continue
+            bound = keep_from if keep_from is not None else \
+                (seen.last_used + 1e-3 if seen is not None else float("inf"))
+            if st.used >= bound:
+                if seen is not None:
+                    self.index.replace_if(key, seen, st.size, st.used)
+            elif self.index.get(key) == seen:  # else this node used it since the pick
+                doomed.append((key, st, seen))
+        return doomed
+
+    def _remove(self, doomed: list[_Doomed], *, evicting: bool) -> tuple[int, int]:
+        """Delete ``doomed``, each only while it is still the version its stat saw. A
+        deleted key leaves the index only if its entry is still the one picked. Returns
+        ``(objects, bytes)`` deleted."""
+        if not doomed:
+            return 0, 0
+        outcomes, fault = self.transport.remove([(k, st) for k, st, _ in doomed])
+        if fault is not None:
+            self._fault("collect" if evicting else "delete", fault)
+        n = freed = 0
+        for key, st, seen in doomed:
+            outcome = outcomes.get(key)
+            if outcome is None or outcome is Outcome.KEPT:  # a fault, or replaced since
+                continue
+            if seen is not None:
+                self.index.forget_if(key, seen)
+            if outcome is Outcome.DELETED:
+                n, freed = n + 1, freed + (seen.size if seen is not None else st.size)
+        if evicting:
+            self.metrics.evicted(n)
+        self._report_used()
+        return n, freed
+
+    # -- the walk ------------------------------------------------------------------------
+    def _walk(self, budget: int, op: str) -> Iterator[Page]:
+        """Pages from the walk's cursor, reconciled with the index, until ``budget``
+        objects were listed or a whole pass was walked (from the start of a pass: its
+        end; from its middle: the end of the next one, so every object was seen). A fault
+        ends it (counted as ``op``)."""
+        listed = 0
+        ends = 1 if self._cursor is None else 2
+        while listed < budget:
+            mark = self.index.mark()
+            try:
+                page = self.transport.page(self._cursor)
+            except self.transport.faults as e:
+                self._fault(op, e)
+                return
+            self._reconcile(page, mark)
+            self._cursor = page.next
+            listed += len(page.objects)
+            yield page
+            if page.next is None:
+                self.passes += 1
+                ends -= 1
+                if not ends:
+                    return
+
+    def _reconcile(self, page: Page, mark: int) -> None:
+        """Take what ``page`` (listed after ``mark``) says: objects other nodes wrote,
+        newer stamps (exact listings), sizes; drop entries of its range it did not list,
+        unless recorded since the mark."""
+        listed = set()
+        exact = self.transport.exact_listing
+        for obj in page.objects:
+            listed.add(obj.key)
+            e = self.index.get(obj.key)
+            if e is None:
+                self.index.remember(obj.key, obj.size, obj.used)
+            elif (exact and obj.used > e.last_used + 1e-3) or obj.size != e.size:
+                self.index.replace_if(obj.key, e, obj.size,
+                                      max(obj.used, e.last_used) if exact else e.last_used)
+        for key, e in self.index.in_range(page.lo, page.hi):
+            if key not in listed and not CompactIndex.changed_since(e, mark):
+                self.index.forget_if(key, e)
+
+    def rescan(self) -> None:
+        """Walk one whole pass from the start now (other nodes' writes, removals)."""
+        with self._collecting:
+            self._cursor = None
+            for _ in self._walk(1 << 62, "scan"):
+                pass
+            self._report_used()
+
+    # -- leases --------------------------------------------------------------------------
+    def read_meta(self, key: ChunkKey) -> ChunkMeta | None:
+        """The object's verified header (not its payload), or ``None`` if absent or bad."""
+        head = memoryview(bytearray(HEADER_SPAN))
+        try:
+            total = self.transport.read_header(key, head)
+        except self.transport.faults as e:
+            self._fault("get", e)
+            return None
+        if total is None:
+            return None
+        try:
+            return decode_header(head[: min(total, HEADER_SPAN)], expect_key=key,
+                                 object_len=total)[0]
+        except CorruptObject:
+            return None
+
+    def renew(self, key: ChunkKey) -> bool:
+        """Restart the object's lease now; ``False`` if it is not there."""
+        now = self._clock.wall()
+        try:
+            st = self.transport.stamp(key, now)
+        except self.transport.faults as e:
+            self._fault("touch", e)
+            return False
+        if st is None:
+            self.index.forget(key)
+            return False
+        self.index.remember(key, st.size, now, now)
+        return True
+
+    def expire(self, lease_seconds: float) -> int:
+        """One tick of expiry: walk up to ``tick_objects`` listed objects (whole pages; the
+        end of a pass ends the tick) and remove those not used or renewed for
+        ``lease_seconds``, re-checking each first. Returns how many were removed."""
+        with self._collecting:
+            cutoff = self._clock.wall() - lease_seconds
+            n = sum(self._expire_page(page, cutoff)
+                    for page in self._walk(self._tick_objects, "expire"))
+            self._report_used()
+        return n
+
+    def _expire_page(self, page: Page, cutoff: float) -> int:
+        # An S3 listing has only LastModified; the stat below decides on kvtier's stamp.
+        maybe = cutoff if self.transport.exact_listing else cutoff + CLOCK_SKEW_S
+        picked: list[_Pick] = [(obj.key, self.index.get(obj.key))
+                               for obj in page.objects if obj.used < maybe]
+        if not picked:
+            return 0
+        heads = self._heads(picked, "expire")
+        if heads is None:
+            return 0
+        return self._remove(self._doom(picked, heads, cutoff), evicting=True)[0]
+
+    def close(self) -> None:
+        self._closed = True  # the start scan stops after its current page
+        self.transport.close()

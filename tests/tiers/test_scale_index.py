@@ -1,0 +1,173 @@
+"""The compact index against a reference model (hypothesis), and the object tier's start
+scan in the background, its bounded expiry ticks and the walk that finds other nodes'
+writes and removals. Time is a ``ManualClock``; the start scan is held on an event."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.clock import ManualClock
+from kvtier.keys import ChunkKey
+from kvtier.tiers.compact import CompactIndex, key_int
+from kvtier.tiers.file import FileTier, FileTransport
+from kvtier.tiers.transport import Page
+from tests.tiers.harness import make_key, meta_for, payload_for
+
+SAFETY_S = 30.0  # only a deadlock gets there
+
+_keys = st.integers(0, 40).map(lambda i: ChunkKey(bytes([i % 7]) + i.to_bytes(15, "big")))
+_ops = st.lists(st.tuples(st.sampled_from(["remember", "forget", "use", "scan"]), _keys,
+                          st.integers(0, 10_000)), max_size=200)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+def test_the_compact_index_behaves_like_an_ordered_dict(ops: list[tuple[str, ChunkKey, int]]
+                                                        ) -> None:
+    index = CompactIndex(initial=16)
+    model: dict[ChunkKey, tuple[int, float]] = {}  # key -> (size, used), in order
+    scanned: dict[ChunkKey, tuple[int, float]] = {}
+    for t, (op, key, size) in enumerate(ops):
+        if op == "remember":
+            model.pop(key, None)
+            scanned.pop(key, None)
+            model[key] = (size, float(t))
+            index.remember(key, size, float(t))
+        elif op == "forget":
+            model.pop(key, None)
+            scanned.pop(key, None)
+            index.forget(key)
+        elif op == "use" and key in model:
+            model[key] = (model.pop(key)[0], float(t))
+            index.use(key, float(t))
+        elif op == "scan" and key not in model and key not in scanned:
+            scanned[key] = (size, float(-t))  # older than anything recorded
+            index.add_scanned([(key, size, float(-t))])
+    assert index.finish_scan() == len(scanned)
+    ordered = sorted(scanned.items(), key=lambda kv: kv[1][1]) + list(model.items())
+    assert [(k, e.size, e.last_used) for k, e in index.items()] == \
+        [(k, s, u) for k, (s, u) in ordered]
+    assert index.bytes == sum(s for _, (s, _) in ordered) and len(index) == len(ordered)
+    assert [k for k, _ in index.coldest(3)] == [k for k, _ in ordered[:3]]
+    lo, hi = 2 << 120, (4 << 120) - 1
+    assert sorted(k for k, _ in index.in_range(lo, hi)) == \
+        sorted(k for k, _ in ordered if lo <= key_int(k) <= hi)
+
+
+def test_a_changed_entry_is_not_forgotten_by_a_stale_version() -> None:
+    index = CompactIndex()
+    key = make_key(1)
+    index.remember(key, 10, 1.0)
+    seen = index.get(key)
+    assert seen is not None
+    mark = index.mark()
+    index.use(key, 2.0)
+    now = index.get(key)
+    assert now is not None and CompactIndex.changed_since(now, mark)
+    assert not index.forget_if(key, seen) and key in index
+    assert index.forget_if(key, now) and key not in index
+
+
+# -- the tier ---------------------------------------------------------------------------------
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def _fill(root: Path, clock: ManualClock, n: int) -> list[ChunkKey]:
+    """``n`` objects spread over many top-level directories, 1 s apart (oldest first)."""
+    tier = FileTier(root, 1 << 40, clock=clock)
+    keys = [ChunkKey(bytes([(i * 37) % 256]) + i.to_bytes(15, "big")) for i in range(n)]
+    for key in keys:
+        clock.advance(1)
+        tier.put(meta_for(key, 64), payload_for(key, 64).data)
+    tier.close()
+    return keys
+
+
+class HeldScan:
+    """Holds a tier's start scan after its first page until ``release()``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self._go = threading.Event(), threading.Event()
+
+        real_page = FileTransport.page
+
+        def page(transport: FileTransport, cursor: object | None) -> Page:
+            if cursor is not None and threading.current_thread().name.endswith("-index"):
+                self.entered.set()
+                assert self._go.wait(SAFETY_S)
+            return real_page(transport, cursor)
+
+        monkeypatch.setattr(FileTransport, "page", page)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldScan]:
+    h = HeldScan(monkeypatch)
+    yield h
+    h.release()
+
+
+def test_a_tier_serves_before_its_index_is_complete(
+    tmp_path: Path, clock: ManualClock, held: HeldScan
+) -> None:
+    keys = _fill(tmp_path, clock, 40)
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, background_index=True)
+    assert held.entered.wait(SAFETY_S)
+    assert not tier.index_ready and not tier.metrics.index_ready
+    unscanned = [k for k in keys if not tier.indexed(k)]
+    assert unscanned, "the first page is all the scan did so far"
+    assert tier.contains_prefix(unscanned[:1]) == 1  # asked of the directory itself
+    assert tier.indexed(unscanned[0])
+    assert tier.collect() == 0  # usage is not known yet: nothing is collected
+    held.release()
+    assert tier.wait_indexed(SAFETY_S)
+    assert tier.metrics.index_ready and tier.metrics.index_scanned == len(keys)
+    assert tier.contains_prefix(keys) == len(keys)
+    # Eviction order is the objects' recency, not the directory order of the scan; the
+    # probed key was recorded as this node's latest.
+    coldest = [k for k, _ in tier.index.coldest(len(keys))]
+    assert coldest == [k for k in keys if k != unscanned[0]] + [unscanned[0]]
+    tier.close()
+
+
+def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    keys = _fill(tmp_path, clock, 60)
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick_objects=1)  # one page per tick
+    clock.advance(1000)
+    removed, ticks = 0, 0
+    while tier.passes == 0:
+        removed += tier.expire(500)
+        ticks += 1
+    # A tick ends once it listed tick_objects (here: at the first non-empty directory);
+    # each key has a top-level directory of its own, and one last tick ends the pass.
+    assert ticks == len(keys) + 1
+    assert removed == len(keys) and tier.usage().objects == 0
+
+
+def test_the_walk_finds_another_nodes_writes_and_removals(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    keys = _fill(tmp_path, clock, 10)
+    a = FileTier(tmp_path, 1 << 40, clock=clock)
+    b = FileTier(tmp_path, 1 << 40, clock=clock)
+    new = make_key(999)
+    b.put(meta_for(new, 64), payload_for(new, 64).data)
+    assert b.delete(keys[:3]) == 3
+    assert not a.indexed(new) and a.indexed(keys[0])
+    a.expire(1e9)  # nothing is that old: a walk of one whole pass, no removal
+    assert a.indexed(new)
+    assert not any(a.indexed(k) for k in keys[:3])
+    assert a.usage().objects == 8
