@@ -5,12 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtier.testing.engines import Conversation, LLMWorker, engine_env, tokens
+from kvtier.testing.engines import engine_env
 from kvtier.testing.models import (
     BENCH_90M,
     CPU_ATTN_HEAD_SIZES,
@@ -95,51 +94,3 @@ def test_engine_env(tmp_path: Path) -> None:
         assert Path(env[var]).is_dir() and Path(env[var]).is_relative_to(tmp_path)
     with pytest.raises(ValueError):
         engine_env(tmp_path, 0)
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLMWorker]:
-    pytest.importorskip("vllm")
-    tmp = tmp_path_factory.mktemp("tiny-engine")
-    model = build_tiny_llama(tmp / "model")
-    worker = LLMWorker(tmp, model=str(model), kv_cache_gib=1)
-    worker.start()
-    try:
-        yield worker
-    finally:
-        rc = worker.close()
-        assert rc == 0, worker.log_tail()
-
-
-@pytest.mark.vllm
-def test_engine_greedy_is_deterministic(tiny_engine: LLMWorker) -> None:
-    prompts = [tokens(300, seed=1), tokens(200, seed=2)]
-    first = tiny_engine.generate(prompts, max_tokens=8)
-    assert [o.num_prompt_tokens for o in first.outputs] == [300, 200]
-    assert all(len(o.token_ids) == 8 for o in first.outputs)
-    assert all(o.finish_reason == "length" for o in first.outputs)
-    assert first.outputs[0].token_ids != first.outputs[1].token_ids
-
-    # Same prompts again: vLLM's own prefix cache serves the full 128-token blocks.
-    second = tiny_engine.generate(prompts, max_tokens=8)
-    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
-    assert [o.num_cached_tokens for o in second.outputs] == [256, 128]
-
-    # After a prefix-cache reset nothing is cached, and the output is unchanged (fp32).
-    third = tiny_engine.generate(prompts, max_tokens=8, reset_prefix_cache=True)
-    assert third.reset_ok is True
-    assert [o.num_cached_tokens for o in third.outputs] == [0, 0]
-    assert [o.token_ids for o in third.outputs] == [o.token_ids for o in first.outputs]
-
-
-@pytest.mark.vllm
-def test_engine_multi_turn(tiny_engine: LLMWorker) -> None:
-    conv = Conversation()
-    for turn in range(3):
-        prompt = conv.next_prompt(tokens(150, seed=10 + turn))
-        out = tiny_engine.generate([prompt], max_tokens=10).outputs[0]
-        if turn:
-            # The previous turn's full blocks (prompt and generated tokens) are cached.
-            assert out.num_cached_tokens == (len(conv.history) - 1) // 128 * 128
-        conv.record(prompt, out)
-    assert len(conv.history) == 3 * 160

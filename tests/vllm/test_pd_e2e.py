@@ -53,6 +53,7 @@ class PD:
     router_url: str
     shared: Path
     shared_tier: FileTier  # this process's view of the shared directory (object paths)
+    tiers_config: Path  # the prefill node's config, which the router reads (--tiers)
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
 
     def reference(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def pd(tiny_fp32: Path, ceph: CephCluster) -> Iterator[PD]:
             args = ["--tiers", str(configs["prefill"]), "--request-timeout", "60",
                     "--pd-mode", "always"]  # these tests are about the P/D hand-off
             with router_process(tmp, p.url, dec.url, args=args) as url:
-                env = PD(p, dec, url, shared, FileTier(shared, 1 << 30))
+                env = PD(p, dec, url, shared, FileTier(shared, 1 << 30), configs["prefill"])
                 try:
                     yield env
                 finally:
@@ -345,3 +346,59 @@ def test_router_faults_get_a_clear_status(pd: PD) -> None:
     r = pd.turn("after-kill", _tokens(50, seed=9), 4)
     assert r.status_code in (502, 503) and time.monotonic() - t0 < 30
     assert pd.client.get(pd.router_url + "/health").status_code == 503
+
+
+def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) -> None:
+    """A second router on the same two servers, as shipped (``--pd-mode auto``) and with a
+    tenants file: a long first turn goes through the prefill node, its short follow-up
+    straight to the decode node (which restores the held prefix and computes the rest),
+    both equal to a recompute; another tenant sending the same prompt and the same
+    ``cache_salt`` gets none of the first tenant's KV (the router sets the salt), and no
+    prefix-hit information unless it asks; ``/health`` shows no backend to a caller
+    without a key."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(json.dumps({"keys": {"key-alpha": "alpha", "key-beta": "beta"}}))
+    args = ["--tiers", str(pd.tiers_config), "--request-timeout", "60", "--pd-mode", "auto",
+            "--tenants", str(tenants)]
+
+    with router_process(tmp_path, pd.prefill.url, pd.decode.url, name="router-auto",
+                        args=args) as url:
+        def send(key: str, conv: str, prompt: list[int], hits: bool = True) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"}
+            if hits:
+                headers["X-KVTier-Report"] = "hits"
+            body = {**BASE, "prompt": prompt, "max_tokens": 16, "conversation_id": conv,
+                    "cache_salt": "chosen-by-the-client"}
+            r = pd.client.post(url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return r
+
+        prompt = _tokens(600, seed=41)
+        r1 = send("key-alpha", "sel", prompt)
+        assert r1.headers["X-KVTier-Path"] == "prefill_decode"  # 600 uncached tokens
+        out = r1.json()["choices"][0]["token_ids"]
+        assert out == pd.reference(prompt, 16)["token_ids"]
+        pd.wait_stored(_kvtier(r1)["last_key"])
+
+        follow = prompt + out + _tokens(40, seed=42)
+        ref = pd.reference(follow, 16)["token_ids"]
+        before = pd.prefill_tokens()
+        r2 = send("key-alpha", "sel", follow)
+        assert r2.headers["X-KVTier-Path"] == "decode_only"
+        assert r2.json()["choices"][0]["token_ids"] == ref
+        assert pd.prefill_tokens() == before  # the prefill node saw nothing of it
+        pd.wait_stored(_kvtier(r2)["last_key"])  # alpha's whole turn is in the shared tier
+
+        before = pd.prefill_tokens()
+        r3 = send("key-beta", "other", follow, hits=False)
+        after = pd.prefill_tokens()
+        assert r3.json()["choices"][0]["token_ids"] == ref
+        # beta's prompt is new to beta: the prefill node computed all of it, none of
+        # alpha's chunks (same tokens, same client salt) was restored
+        assert after["external_kv_transfer"] == before["external_kv_transfer"]
+        assert after["local_compute"] - before["local_compute"] == len(follow)
+        assert "kv_transfer_params" not in r3.json()
+        assert not any(h.lower().startswith("x-kvtier-restore") for h in r3.headers)
+
+        health = pd.client.get(url + "/health")
+        assert pd.prefill.url not in health.text and pd.decode.url not in health.text
