@@ -44,6 +44,7 @@ LEASE = 480.0
 VOCAB_LO, VOCAB_HI = 10, 400
 BASE = {"model": "model", "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 REFERENCE = {"kvtier": {"load": False, "save": False}}
+KEY_ALPHA, KEY_BETA = "sk-alpha-0123456789", "sk-beta-0123456789"  # tenants' API keys
 
 
 @dataclass
@@ -331,23 +332,6 @@ def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> No
             assert loaded == 512 < retained
 
 
-def test_router_faults_get_a_clear_status(pd: PD) -> None:
-    url = pd.router_url + "/v1/completions"
-    r = pd.client.post(url, content=b"{not json")
-    assert r.status_code == 400 and "JSON" in r.text
-    r = pd.client.post(url, json={"model": "model", "max_tokens": 4})
-    assert r.status_code == 400 and "prompt" in r.text
-    r = pd.client.post(pd.router_url + "/v1/kvtier/renew", json={"conversation_id": "nobody"})
-    assert r.status_code == 404
-    r = pd.turn("never-seen", _tokens(50, seed=8), 4)  # unknown: served as a new one
-    assert r.status_code == 200 and r.headers["X-KVTier-Conversation"] == "new"
-    pd.decode.kill()
-    t0 = time.monotonic()
-    r = pd.turn("after-kill", _tokens(50, seed=9), 4)
-    assert r.status_code in (502, 503) and time.monotonic() - t0 < 30
-    assert pd.client.get(pd.router_url + "/health").status_code == 503
-
-
 def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) -> None:
     """A second router on the same two servers, as shipped (``--pd-mode auto``) and with a
     tenants file: a long first turn goes through the prefill node, its short follow-up
@@ -357,7 +341,7 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
     prefix-hit information unless it asks; ``/health`` shows no backend to a caller
     without a key."""
     tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(json.dumps({"keys": {"key-alpha": "alpha", "key-beta": "beta"}}))
+    tenants.write_text(json.dumps({"keys": {KEY_ALPHA: "alpha", KEY_BETA: "beta"}}))
     args = ["--tiers", str(pd.tiers_config), "--request-timeout", "60", "--pd-mode", "auto",
             "--tenants", str(tenants)]
 
@@ -374,7 +358,7 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
             return r
 
         prompt = _tokens(600, seed=41)
-        r1 = send("key-alpha", "sel", prompt)
+        r1 = send(KEY_ALPHA, "sel", prompt)
         assert r1.headers["X-KVTier-Path"] == "prefill_decode"  # 600 uncached tokens
         out = r1.json()["choices"][0]["token_ids"]
         assert out == pd.reference(prompt, 16)["token_ids"]
@@ -383,14 +367,14 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
         follow = prompt + out + _tokens(40, seed=42)
         ref = pd.reference(follow, 16)["token_ids"]
         before = pd.prefill_tokens()
-        r2 = send("key-alpha", "sel", follow)
+        r2 = send(KEY_ALPHA, "sel", follow)
         assert r2.headers["X-KVTier-Path"] == "decode_only"
         assert r2.json()["choices"][0]["token_ids"] == ref
         assert pd.prefill_tokens() == before  # the prefill node saw nothing of it
         pd.wait_stored(_kvtier(r2)["last_key"])  # alpha's whole turn is in the shared tier
 
         before = pd.prefill_tokens()
-        r3 = send("key-beta", "other", follow, hits=False)
+        r3 = send(KEY_BETA, "other", follow, hits=False)
         after = pd.prefill_tokens()
         assert r3.json()["choices"][0]["token_ids"] == ref
         # beta's prompt is new to beta: the prefill node computed all of it, none of
@@ -402,3 +386,21 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
 
         health = pd.client.get(url + "/health")
         assert pd.prefill.url not in health.text and pd.decode.url not in health.text
+
+
+def test_router_faults_get_a_clear_status(pd: PD) -> None:
+    url = pd.router_url + "/v1/completions"
+    r = pd.client.post(url, content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.text
+    r = pd.client.post(url, json={"model": "model", "max_tokens": 4})
+    assert r.status_code == 400 and "prompt" in r.text
+    r = pd.client.post(pd.router_url + "/v1/kvtier/renew", json={"conversation_id": "nobody"})
+    assert r.status_code == 404
+    r = pd.turn("never-seen", _tokens(50, seed=8), 4)  # unknown: served as a new one
+    assert r.status_code == 200 and r.headers["X-KVTier-Conversation"] == "new"
+    pd.decode.kill()
+    t0 = time.monotonic()
+    r = pd.turn("after-kill", _tokens(50, seed=9), 4)
+    assert r.status_code in (502, 503) and time.monotonic() - t0 < 30
+    assert pd.client.get(pd.router_url + "/health").status_code == 503
+
