@@ -292,21 +292,10 @@ def _deepseek_v2_config(spec: TinyLlamaSpec) -> Any:
     )
 
 
-def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def _llama_config(spec: TinyLlamaSpec) -> Any:
+    from transformers import LlamaConfig
 
-    if spec.arch == "deepseek_v2":
-        config = _deepseek_v2_config(spec)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            ds = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-        ds = ds.to(getattr(torch, spec.dtype))
-        ds.config.dtype = getattr(torch, spec.dtype)
-        ds.save_pretrained(out, safe_serialization=True)
-        (out / "generation_config.json").unlink(missing_ok=True)
-        return
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -321,12 +310,19 @@ def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
         tie_word_embeddings=False,
         rms_norm_eps=1e-5,
     )
+
+
+def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _deepseek_v2_config(spec) if spec.arch == "deepseek_v2" else _llama_config(spec)
     torch_dtype = getattr(torch, spec.dtype)
     # Initialise in fp32 under a fixed seed (without disturbing the caller's RNG), then
     # cast: the same bytes every run.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
     model.save_pretrained(out, safe_serialization=True)
