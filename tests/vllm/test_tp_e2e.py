@@ -34,16 +34,23 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-store")
 
 
+def tp2_engine(engine_factory: Callable[..., LLMWorker], model: Path, store: Path,
+               config: Path) -> LLMWorker:
+    """A TP=2 engine (one core per rank) with a host tier and a write-through file tier
+    in ``store``, its config written to ``config``."""
+    cfg = write_config(
+        config, [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
+        chunk_tokens=CT, reset_cache="host",
+    )
+    return engine_factory(model, cfg, tensor_parallel_size=2,
+                          extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
 @pytest.fixture(scope="module")
 def engine(engine_factory: Callable[..., LLMWorker], tiny_fp32: Path, store: Path,
            tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "tp.yaml",
-        [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
-        chunk_tokens=CT, reset_cache="host",
-    )
-    return engine_factory(tiny_fp32, cfg, tensor_parallel_size=2,
-                          extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    return tp2_engine(engine_factory, tiny_fp32, store,
+                      tmp_path_factory.mktemp("cfg") / "tp.yaml")
 
 
 def test_tp2_restores_a_returning_prompt_from_one_object_per_chunk(
@@ -81,13 +88,8 @@ def mla_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mla_engine(engine_factory: Callable[..., LLMWorker], mla_store: Path,
                tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
     model = build_tiny_deepseek_v2(tmp_path_factory.mktemp("models") / "ds2-fp32")
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "mla.yaml",
-        [{"file": {"path": str(mla_store), "capacity": "1GiB", "write": "through"}}],
-        chunk_tokens=CT, reset_cache="host",
-    )
-    return engine_factory(model, cfg, tensor_parallel_size=2,
-                          extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    return tp2_engine(engine_factory, model, mla_store,
+                      tmp_path_factory.mktemp("cfg") / "mla.yaml")
 
 
 def test_mla_tp2_stores_one_copy_written_by_rank_0_and_every_rank_restores_it(
