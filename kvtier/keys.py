@@ -76,6 +76,10 @@ class Namespace:
     revision: str = ""
     #: ``model_config.dtype``: the dtype K and V are computed in before they are stored.
     model_dtype: str = ""
+    #: What of a request's KV is kept ("" full attention; ``sliding_window:N``: the last
+    #: N tokens). Left out of the digest when "", so full-attention digests are those
+    #: of before this field.
+    attention: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "chunk_tokens", "block_size"):
@@ -102,7 +106,8 @@ class Namespace:
         """
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        fields = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)
+        items = {k: v for k, v in asdict(self).items() if k != "attention" or v}
+        fields = msgpack.packb(sorted(items.items()), use_bin_type=True)
         salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8")
         parts = [b"kvtier-namespace", fields, salt]
         if adapter is not None:
@@ -166,6 +171,19 @@ def tail_key(
     if not len(tokens):
         raise ValueError("a tail holds at least one token")
     return ChunkKey(_h(bytes(prev), encode_tokens(tokens), extra, TAIL))
+
+
+WINDOW = b"kvtier-window"
+
+
+def window_key(end: ChunkKey, part: int, parts: int) -> ChunkKey:
+    """The key of part ``part`` of ``parts`` of a sliding-window model's *window object*:
+    the KV a hit ending where the chunk or tail keyed ``end`` ends needs (the blocks vLLM
+    keeps below that point; ``kvtier.vllm.window``)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"window part {part} outside 0..{parts - 1}")
+    return ChunkKey(_h(bytes(end), WINDOW, part.to_bytes(4, "little"),
+                       parts.to_bytes(4, "little")))
 
 
 def key_from_hex(text: str) -> ChunkKey:

@@ -55,7 +55,7 @@ CHAT_TEMPLATE: Final = (
 )
 
 _DTYPES: Final = ("float32", "bfloat16", "float16")
-_ARCHES: Final = ("llama", "deepseek_v2")
+_ARCHES: Final = ("llama", "deepseek_v2", "mistral")
 
 #: DeepSeek-V2's MLA sizes: the latent (``kv_lora_rank``) and the decoupled RoPE key.
 MLA_KV_LORA_RANK: Final = 512
@@ -81,6 +81,9 @@ class TinyLlamaSpec:
     #: (a 576-wide latent KV per token and layer, one "head"; vLLM's CPU MLA backend
     #: accepts only that width), for the MLA tests
     arch: str = "llama"
+    #: ``arch="mistral"`` only: every layer attends to the last ``sliding_window`` tokens
+    #: (vLLM keeps one ``SlidingWindowSpec`` KV-cache group), for the sliding-window tests
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -94,6 +97,10 @@ class TinyLlamaSpec:
             raise ValueError(f"vocab must be at least 300 (256 bytes + specials), got {self.vocab}")
         if self.arch not in _ARCHES:
             raise ValueError(f"arch must be one of {_ARCHES}, got {self.arch!r}")
+        if (self.sliding_window is not None) != (self.arch == "mistral"):
+            raise ValueError("sliding_window is set exactly when arch is 'mistral'")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError(f"sliding_window must be >= 2, got {self.sliding_window}")
         if self.head_dim is not None and self.head_dim not in CPU_ATTN_HEAD_SIZES:
             raise ValueError(
                 f"head_dim {self.head_dim} is not supported by vLLM's CPU attention "
@@ -132,6 +139,8 @@ class TinyLlamaSpec:
         spec = asdict(self)
         if self.arch == "llama":
             del spec["arch"]  # the hash of every Llama built before ``arch`` existed
+        if self.sliding_window is None:
+            del spec["sliding_window"]  # likewise, for every model built before it
         payload = json.dumps(
             {"builder": BUILDER_VERSION, "spec": spec, "head_dim": self.resolved_head_dim},
             sort_keys=True,
@@ -196,6 +205,17 @@ def build_tiny_deepseek_v2(
     return build_from_spec(path, TinyLlamaSpec(dtype=dtype, hidden=128, layers=layers,
                                                heads=2, kv_heads=2, intermediate=256,
                                                seed=seed, arch="deepseek_v2"))
+
+
+def build_tiny_mistral(
+    path: str | os.PathLike[str], *, sliding_window: int, dtype: str = "float32",
+    layers: int = 2, seed: int = 0,
+) -> Path:
+    """Build (or reuse) a random-weight Mistral at ``path``: the tiny Llama's sizes with
+    every layer attending to the last ``sliding_window`` tokens."""
+    return build_from_spec(path, TinyLlamaSpec(dtype=dtype, layers=layers, seed=seed,
+                                               arch="mistral",
+                                               sliding_window=sliding_window))
 
 
 def build_bench_llama(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
@@ -312,11 +332,37 @@ def _llama_config(spec: TinyLlamaSpec) -> Any:
     )
 
 
+def _mistral_config(spec: TinyLlamaSpec) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.resolved_head_dim,
+        max_position_embeddings=spec.max_pos,
+        sliding_window=spec.sliding_window,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        architectures=["MistralForCausalLM"],
+    )
+
+
+_CONFIGS = {"llama": _llama_config, "deepseek_v2": _deepseek_v2_config,
+            "mistral": _mistral_config}
+
+
 def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = _deepseek_v2_config(spec) if spec.arch == "deepseek_v2" else _llama_config(spec)
+    config = _CONFIGS[spec.arch](spec)
     torch_dtype = getattr(torch, spec.dtype)
     # Initialise in fp32 under a fixed seed (without disturbing the caller's RNG), then
     # cast: the same bytes every run.

@@ -69,6 +69,17 @@ class Geometry:
     replicated: bool = False
     #: V's head size when it is not ``head_size`` (0 for MLA: the latent has no V)
     head_size_v: int | None = None
+    #: sliding-window attention in every layer (one ``SlidingWindowSpec`` group): vLLM
+    #: keeps KV for a request's last ``window`` tokens (its ``sliding_window`` plus
+    #: ``extra_retained_tokens``) and has swapped every block wholly before them for its
+    #: null block; 0 for full attention and MLA
+    window: int = 0
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks a hit ending on a block boundary needs (vLLM's null block pads those
+        before them): ``cdiv(window - 1, block_size)``, 0 without a window."""
+        return -(-(self.window - 1) // self.block_size) if self.window else 0
 
     @property
     def slot_ranks(self) -> int:
@@ -108,11 +119,12 @@ class PhysicalKV:
 
 def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Geometry:
     """The geometry of a single-group ``KVCacheConfig`` of full attention (this rank's
-    heads; ``tp_world`` ranks of them make a chunk) or dense MLA (one latent per token,
-    the same on every rank: ``replicated``). ``TierError`` naming the model's shape and
-    what to do for any other: kvtier knows which blocks of these layers hold a prefix;
-    for other specs (a sliding window's out-of-window blocks are vLLM's null block) it
-    would store or restore the wrong bytes."""
+    heads; ``tp_world`` ranks of them make a chunk), dense MLA (one latent per token,
+    the same on every rank: ``replicated``) or sliding-window attention in every layer
+    (``window``: kvtier stores only the blocks a hit needs, see ``docs/architecture.md``).
+    ``TierError`` naming the model's shape and what to do for any other: kvtier knows
+    which blocks of these layers hold a prefix; for other specs (chunked-local attention,
+    Mamba state) it would store or restore the wrong bytes."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
@@ -124,8 +136,11 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
         )
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
+    window = 0
     if kind == "MLAAttentionSpec":
         _check_mla(spec)
+    elif kind == "SlidingWindowSpec":
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
     elif kind != "FullAttentionSpec":
         raise TierError(_SPEC_REFUSED.get(kind, _SPEC_OTHER).format(kind=kind))
     for attr in ("num_kv_heads", "head_size", "block_size", "page_size_bytes", "dtype"):
@@ -141,6 +156,7 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
         tp_world=tp_world,
         replicated=kind == "MLAAttentionSpec",
         head_size_v=_head_size_v(spec),
+        window=window,
     )
 
 
@@ -170,12 +186,6 @@ _SPEC_OTHER = (
     "is {kind}, whose blocks kvtier would store or restore wrongly. Run it without kvtier"
 )
 _SPEC_REFUSED = {
-    "SlidingWindowSpec": (
-        "kvtier does not support a model whose layers are all sliding-window ({kind}): "
-        "vLLM replaces out-of-window blocks with its null block, which kvtier would store "
-        "as the prefix. Start vLLM with --disable-sliding-window (full attention, "
-        "max_model_len capped at the window), or run without kvtier"
-    ),
     "ChunkedLocalAttentionSpec": (
         "kvtier does not support a model whose layers are all chunked-local attention "
         "({kind}): out-of-chunk blocks are vLLM's null block. Run it without kvtier"
@@ -449,4 +459,5 @@ def namespace_for(
         quantization="" if quant is None else str(quant),
         revision=resolve_revision(mc, load_config)[0],
         model_dtype="" if dtype is None else str(dtype).removeprefix("torch."),
+        attention=f"sliding_window:{geometry.window}" if geometry.window else "",
     )

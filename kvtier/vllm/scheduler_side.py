@@ -49,7 +49,7 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
 from kvtier.costmodel import Decision
 from kvtier.flusher import IdleFlusher
-from kvtier.keys import ChunkKey, Namespace, chunk_keys, tail_key
+from kvtier.keys import ChunkKey, Namespace, chunk_keys, tail_key, window_key
 from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Held, LoadProgress, Lookup, TieredStore, WritePolicy
@@ -61,6 +61,7 @@ from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_host_pool
 from kvtier.vllm.stopsignal import chain_stop_signals
 from kvtier.vllm.threshold import StepTimer, threshold_policy
+from kvtier.vllm.window import saveable, window_parts
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -134,6 +135,10 @@ class _Lookup:
     progress: LoadProgress | None = None  # of ``future``: abandoned when it stalls
     chunks: int = 0  # staged (or being staged) host chunks
     staged_step: int | None = None  # the engine step its chunks were all held in
+    #: a sliding-window model's restore: it ends at token ``end``, and ``parts`` (first
+    #: block, blocks) are the window's parts, staged in this order (``window.py``)
+    end: int = 0
+    parts: list[tuple[int, int]] = field(default_factory=list)
 
 
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
@@ -144,6 +149,10 @@ PROBE_INTERVAL_S = 0.05
 STAGED_FRACTION = 0.5
 #: A staged lookup not admitted within this many engine steps is released.
 STAGED_STEPS = 64
+#: A sliding-window model's lookup tries the ends of tails in this many chunks, from the
+#: last one down (at most ``blocks_per_chunk - 1`` tail keys hashed per chunk); below
+#: them only chunk boundaries (no hashing).
+WINDOW_TAIL_CHUNKS = 8
 
 
 @dataclass
@@ -321,6 +330,89 @@ class SchedulerSide:
                 return _Tail(chunk, k, key, found.tiers[0])
         return None
 
+    # -- sliding-window models (``window.py``) -----------------------------------------------
+    def _part_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
+        """A window part of ``blocks`` blocks: a whole chunk's shape, or a tail's."""
+        return self._spec(ns) if blocks == self.bpc else self._tail_spec(ns, blocks)
+
+    def _window_keys(self, end_key: ChunkKey, end: int) -> tuple[list[tuple[int, int]],
+                                                                 list[ChunkKey]]:
+        """The parts of the window of a hit of ``end`` tokens, and their keys."""
+        parts = window_parts(end // self.bs, self.geom.window_blocks, self.bpc)
+        return parts, [window_key(end_key, i, len(parts)) for i in range(len(parts))]
+
+    def _find_window(self, request: Any, keys: Sequence[ChunkKey], num_computed: int,
+                     limit: int) -> tuple[int, Lookup] | None:
+        """The longest prefix past ``num_computed``, at most ``limit`` tokens, whose window
+        is stored whole: its end and where its parts are. Ends of saves are chunk
+        boundaries (each costs hashing one key of 16 bytes) and, with tails, block
+        boundaries inside a chunk (each costs hashing up to a chunk's tokens): those are
+        tried in the ``WINDOW_TAIL_CHUNKS`` highest chunks only. Memory only."""
+        tail_chunks = WINDOW_TAIL_CHUNKS if self.tails else 0
+        for n in range(min(limit // self.ct, len(keys)), -1, -1):
+            ends: list[tuple[int, ChunkKey | None]] = []
+            if tail_chunks > 0:
+                tail_chunks -= 1
+                ends += [(n * self.ct + k * self.bs, None) for k in range(self.bpc - 1, 0, -1)]
+            if n:
+                ends.append((n * self.ct, keys[n - 1]))
+            for end, key in ends:
+                if end > limit:
+                    continue
+                if end <= num_computed:
+                    return None
+                if key is None:
+                    key = self._tail_key(request, keys, n, (end - n * self.ct) // self.bs)
+                _, part_keys = self._window_keys(key, end)
+                hit = self.store.lookup_indexed(part_keys)
+                if hit.hits == len(part_keys):
+                    return end, hit
+        return None
+
+    def _window_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
+                      num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+        """Start staging the window of the longest stored prefix of a sliding-window
+        model's request: its ``_Lookup``, or the hook's answer when there is nothing to
+        stage (0) or no room now (None). Lower tiers are not probed: a window stored by
+        another node is found once the tier's index has it."""
+        found = self._find_window(request, keys, num_computed, limit)
+        if found is None:
+            return 0, False
+        end, hit = found
+        own, _ = _request_threshold(_request_params(request))
+        fixed = own if own is not None else self.policy.fixed_tokens
+        if end - num_computed < max(1, fixed or 1):
+            return 0, False
+        parts, _ = self._window_keys(hit.keys[0], end)  # (only the layout is used)
+        staged = self._staged_chunks()
+        if staged and staged + len(parts) > self._staged_cap:
+            return None, False
+        lk = _Lookup(keys, 0, threshold=own, progress=LoadProgress(self.clock),
+                     chunks=len(parts), end=end, parts=parts)
+        lk.future = self.store.load(hit, [self._part_spec(ns, b) for _, b in parts],
+                                    lk.progress)
+        return lk
+
+    def _window_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[int],
+                      num_external: int) -> None:
+        """Copy ops for a staged window: the window's blocks past vLLM's own hit (those
+        before the window are vLLM's null block, and nothing is copied into them)."""
+        assert lk.held is not None
+        lo = lk.start_tokens // self.bs
+        hi = (lk.start_tokens + num_external) // self.bs
+        if lk.start_tokens + num_external != lk.end:  # vLLM took another length: the
+            # staged window is not the one it needs; fail its blocks (it recomputes them)
+            log.error("kvtier: %s: vLLM took %d tokens of a %d-token window restore; "
+                      "failing the load", rid, num_external, lk.end - lk.start_tokens)
+            self._loads.append(CopyOp(rid, -1, [b for b in block_ids[lo:hi] if b], 0, 0))
+            return
+        for idx, (first, n) in enumerate(lk.parts):
+            a, b = max(lo, first), min(hi, first + n)
+            if a < b:
+                self._loads.append(CopyOp(rid, lk.held.slots[idx][0],
+                                          list(block_ids[a:b]), a - first,
+                                          n if n < self.bpc else 0))
+
     def _forget(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
         if lk is None:
@@ -353,63 +445,69 @@ class SchedulerSide:
             if got is PENDING:
                 return None, False
             ns, keys = got
-            first = num_computed // self.ct
-            wanted = keys[: -(-limit // self.ct)]
-            hit = self.store.lookup_indexed(wanted[first:])
-            announced, ann_tail = self._announced(request, keys, limit)
+            if self.geom.window:
+                started = self._window_start(request, ns, keys, num_computed, limit)
+                if not isinstance(started, _Lookup):
+                    return started
+                lk = started
+            else:
+                first = num_computed // self.ct
+                wanted = keys[: -(-limit // self.ct)]
+                hit = self.store.lookup_indexed(wanted[first:])
+                announced, ann_tail = self._announced(request, keys, limit)
 
-            def missing() -> bool:  # announced by the prefill node, not visible here yet
-                return announced > first + hit.hits or (
-                    ann_tail is not None and not self.store.lookup_indexed([ann_tail]).hits)
+                def missing() -> bool:  # announced by the prefill node, not visible here yet
+                    return announced > first + hit.hits or (
+                        ann_tail is not None and not self.store.lookup_indexed([ann_tail]).hits)
 
-            beyond = wanted[first + hit.hits :]
-            if ann_tail is not None:  # the announced chain: its chunks, then its tail
-                beyond = wanted[first + hit.hits : announced]
-                if not self.store.lookup_indexed([ann_tail]).hits:
-                    beyond.append(ann_tail)
-            if self._probing(rid, beyond, missing()):
-                return None, False
-            if beyond:
-                hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
-            if missing() and self.store.shared_up(every=False) and self._keep_waiting(rid):
-                return None, False  # (no shared tier can answer: stop waiting now)
-            waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
-            t0 = time.perf_counter() - waited
-            tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
-            if hit.hits == 0 and tail is None:
-                return 0, False
-            own, bad = _request_threshold(_request_params(request))
-            if bad and not self._bad_threshold_logged:
-                self._bad_threshold_logged = True
-                log.warning("kvtier: ignoring kv_transfer_params.kvtier."
-                            "recompute_threshold_tokens (not a non-negative integer)")
-            tiers, lim = list(hit.tiers), limit
-            if tail is not None:  # an entry of its own, ending the restore where it ends
-                tiers.append(tail.tier)
-                lim = min(limit, tail.chunk * self.ct + tail.blocks * self.bs)
-            d = self.policy.chunks_to_restore(
-                num_computed, self.ct, self.slot_bytes,
-                [self.store.tiers[i].name for i in tiers], limit_tokens=lim,
-                fixed_tokens=own,
-            )
-            log.debug("kvtier: %s: %s", rid, d)
-            self._decisions[rid] = d
-            if d.chunks == 0:
-                return 0, False
-            staged = self._staged_chunks()
-            if staged and staged + d.chunks > self._staged_cap:
-                return None, False  # staged KV is waiting for admission: ask again
-            full = min(d.chunks, hit.hits)
-            found, specs = hit.head(full), [self._spec(ns)] * full
-            tail_blocks = 0
-            if tail is not None and d.chunks > hit.hits:
-                found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
-                specs.append(self._tail_spec(ns, tail.blocks))
-                tail_blocks = tail.blocks
-            lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
-                         t0=t0, threshold=own, progress=LoadProgress(self.clock),
-                         chunks=d.chunks)
-            lk.future = self.store.load(found, specs, lk.progress)
+                beyond = wanted[first + hit.hits :]
+                if ann_tail is not None:  # the announced chain: its chunks, then its tail
+                    beyond = wanted[first + hit.hits : announced]
+                    if not self.store.lookup_indexed([ann_tail]).hits:
+                        beyond.append(ann_tail)
+                if self._probing(rid, beyond, missing()):
+                    return None, False
+                if beyond:
+                    hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
+                if missing() and self.store.shared_up(every=False) and self._keep_waiting(rid):
+                    return None, False  # (no shared tier can answer: stop waiting now)
+                waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
+                t0 = time.perf_counter() - waited
+                tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
+                if hit.hits == 0 and tail is None:
+                    return 0, False
+                own, bad = _request_threshold(_request_params(request))
+                if bad and not self._bad_threshold_logged:
+                    self._bad_threshold_logged = True
+                    log.warning("kvtier: ignoring kv_transfer_params.kvtier."
+                                "recompute_threshold_tokens (not a non-negative integer)")
+                tiers, lim = list(hit.tiers), limit
+                if tail is not None:  # an entry of its own, ending the restore where it ends
+                    tiers.append(tail.tier)
+                    lim = min(limit, tail.chunk * self.ct + tail.blocks * self.bs)
+                d = self.policy.chunks_to_restore(
+                    num_computed, self.ct, self.slot_bytes,
+                    [self.store.tiers[i].name for i in tiers], limit_tokens=lim,
+                    fixed_tokens=own,
+                )
+                log.debug("kvtier: %s: %s", rid, d)
+                self._decisions[rid] = d
+                if d.chunks == 0:
+                    return 0, False
+                staged = self._staged_chunks()
+                if staged and staged + d.chunks > self._staged_cap:
+                    return None, False  # staged KV is waiting for admission: ask again
+                full = min(d.chunks, hit.hits)
+                found, specs = hit.head(full), [self._spec(ns)] * full
+                tail_blocks = 0
+                if tail is not None and d.chunks > hit.hits:
+                    found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
+                    specs.append(self._tail_spec(ns, tail.blocks))
+                    tail_blocks = tail.blocks
+                lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
+                             t0=t0, threshold=own, progress=LoadProgress(self.clock),
+                             chunks=d.chunks)
+                lk.future = self.store.load(found, specs, lk.progress)
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
@@ -435,6 +533,8 @@ class SchedulerSide:
         tokens = (lk.first_chunk + min(len(lk.held), lk.full)) * self.ct
         if len(lk.held) > lk.full:  # the tail was read too
             tokens += lk.tail_blocks * self.bs
+        if lk.parts:  # a window: all of it, or nothing
+            tokens = lk.end if len(lk.held) == len(lk.parts) else 0
         tokens = min(tokens, limit)
         ext = tokens - num_computed
         # A fixed threshold applies to what was staged (a failed read shrinks it); under
@@ -550,6 +650,17 @@ class SchedulerSide:
             return
         del self._lookups[rid]
         block_ids = blocks.get_block_ids()[0]
+        if lk.parts:
+            self._window_loads(rid, lk, block_ids, num_external)
+            self._load_holds.append(lk.held)
+            tier = self.store.tiers[lk.held.from_tier[0]].name
+            record_restore({tier: num_external})
+            staged_ms = (time.perf_counter() - lk.t0) * 1e3
+            self._restored[rid] = ({tier: num_external}, staged_ms)
+            log.info("kvtier: restoring %d tokens for %s from a %d-block window (%s), "
+                     "staged in %.1f ms", num_external, rid,
+                     sum(n for _, n in lk.parts), tier, staged_ms)
+            return
         lo_blk = lk.start_tokens // self.bs
         hi_blk = (lk.start_tokens + num_external) // self.bs
         by_tier: dict[str, int] = {}
@@ -597,6 +708,9 @@ class SchedulerSide:
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
             tail_blocks = 0
+        if self.geom.window:
+            return self._window_finished(request, n_chunks, tail_blocks, block_ids,
+                                         seen_epoch, restored, restore_ms)
         try:
             got = self._keys(request, n_chunks * self.ct)
         except Unsupported:
@@ -623,6 +737,13 @@ class SchedulerSide:
             assert tail is not None
             tokens, last = tokens + tail.span * self.bs, tail.key
         whole = n_chunks * self.slot_bytes + (tail.meta.payload_len if tail else 0)
+        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
+                                       saved, whole)
+
+    def _params(self, rid: str, ns: bytes, tokens: int, last: ChunkKey | None,
+                restored: dict[str, int], restore_ms: float, saved: int,
+                whole: int) -> dict[str, Any]:
+        """A finished request's ``kv_transfer_params`` (``request_finished``)."""
         params = {
             "namespace": ns.hex(),
             "tokens": tokens,
@@ -636,7 +757,51 @@ class SchedulerSide:
             "spilled_bytes": saved,
             "write_through_bytes": whole,
         }
-        return saved > 0, {"kvtier": params}
+        return {"kvtier": params}
+
+    def _window_finished(
+        self, request: Any, n_chunks: int, tail_blocks: int, block_ids: Sequence[int],
+        seen_epoch: int, restored: dict[str, int], restore_ms: float,
+    ) -> tuple[bool, dict[str, Any]]:
+        """``request_finished`` of a sliding-window model: save the window of the
+        request's prefix down to its last block (down to its last chunk without tails),
+        if vLLM still holds all of it. ``tokens`` announces that prefix once its window
+        is stored or being stored; ``last_key`` is the key of the piece it ends in."""
+        rid = request.request_id
+        try:
+            got = self._keys(request, n_chunks * self.ct)
+        except Unsupported:
+            got = PENDING
+        if seen_epoch != self.identities.epoch or got is PENDING:
+            self._key_cache.pop(rid, None)
+            return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
+        ns, keys = got
+        end = n_chunks * self.ct + tail_blocks * self.bs
+        saved = whole = tokens = 0
+        last: ChunkKey | None = None
+        if end and _request_params(request).get("save") is not False:
+            last = (self._tail_key(request, keys, n_chunks, tail_blocks) if tail_blocks
+                    else keys[n_chunks - 1])
+            parts, part_keys = self._window_keys(last, end)
+            if not saveable(list(block_ids), parts):
+                record_drop("window_freed")
+                last = None
+            else:
+                pieces = [_Piece(k, self._part_spec(ns, n).meta(k, last),
+                                 list(block_ids[b : b + n]), n if n < self.bpc else 0)
+                          for k, (b, n) in zip(part_keys, parts, strict=True)]
+                stored = self.store.lookup_indexed(part_keys).hits
+                whole = sum(p.meta.payload_len for p in pieces)
+                saved, held = self._save_pieces(rid, request, keys, pieces[stored:],
+                                                stored, stored, supersede=False,
+                                                baseline=whole)
+                if held == len(pieces):
+                    tokens = end
+                else:
+                    last = None
+        self._key_cache.pop(rid, None)
+        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
+                                       saved, whole)
 
     def _decision(self, rid: str) -> dict[str, str] | None:
         """The restore-or-recompute decision for ``rid``, for its response (why kvtier
@@ -700,14 +865,27 @@ class SchedulerSide:
             # tier's index knows.
             held = next((i for i, k in enumerate(keys[:stored]) if not any(
                 lt.tier.indexed(k) for lt in self.store.lower)), stored)
-        room = self.store.free_store_slots(WritePolicy.THROUGH) if shared else n_chunks + 1
-        if shared and not self.store.shared_up(every=True):
-            room = 0  # a down shared tier drops writes: announce nothing new
         pieces = [_Piece(keys[c], self._meta(ns, keys, c),
                          list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
                   for c in range(stored, n_chunks)]
         if tail is not None:
             pieces.append(tail)
+        return self._save_pieces(rid, request, keys, pieces, stored, held,
+                                 supersede=self.tails, baseline=n_chunks * self.slot_bytes)
+
+    def _save_pieces(self, rid: str, request: Any, keys: Sequence[ChunkKey],
+                     pieces: list[_Piece], stored: int, held: int, *,
+                     supersede: bool, baseline: int) -> tuple[int, int]:
+        """Reserve and queue ``pieces`` (the chain's pieces from number ``stored`` on;
+        ``held`` of the chain are known stored), under ``_save``'s rules; ``baseline``:
+        the bytes a save of everything would write (a metric). Returns (bytes to copy,
+        pieces of the chain announced)."""
+        shared = self.role != "both" and any(
+            lt.write is WritePolicy.THROUGH for lt in self.store.lower)
+        room = (self.store.free_store_slots(WritePolicy.THROUGH) if shared
+                else len(pieces) + 1)
+        if shared and not self.store.shared_up(every=True):
+            room = 0  # a down shared tier drops writes: announce nothing new
         announce = held  # grows only while the chain from chunk 0 stays whole
         saves: list[tuple[int, ChunkMeta]] = []
         nbytes = 0
@@ -719,7 +897,7 @@ class SchedulerSide:
                 if not self.store.holds(piece.key):
                     record_drop("host_full")
                     break
-                if c == stored and self.tails:
+                if c == stored and supersede:
                     self._supersede(request, keys, c, piece.span or self.bpc)
                 # stored meanwhile, or being saved by another request: held. Announced
                 # if published, or (P/D) if two saves of it are in flight already (one
@@ -727,14 +905,14 @@ class SchedulerSide:
                 if announce == c and not (shared and self.store.saving(piece.key) == 1):
                     announce = c + 1
                 continue
-            if c == stored and self.tails:
+            if c == stored and supersede:
                 self._supersede(request, keys, c, piece.span or self.bpc)
             saves.append((slot, piece.meta))
             nbytes += piece.meta.payload_len
             self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span))
             if announce == c and len(saves) <= room:
                 announce = c + 1
-        record_spill(nbytes, n_chunks * self.slot_bytes)
+        record_spill(nbytes, baseline)
         if saves:
             self._saves[rid] = _Save(saves)
         return nbytes, announce

@@ -254,26 +254,33 @@ def test_full_attention_is_accepted_with_its_tp_world() -> None:
     assert g.chunk_bytes(32) == 2 * g.rank_chunk_bytes(32) == 2 * 2 * spec.page_size_bytes
 
 
+def test_a_sliding_window_group_is_accepted_with_its_window() -> None:
+    """All-sliding-window models store window objects (``window.py``): the geometry
+    carries the window vLLM keeps, and the namespace says so (full attention's digest is
+    unchanged)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvtier.vllm.geometry import geometry_from_kv_cache_config
+
+    spec = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64,
+                             dtype=torch.float32, sliding_window=64)
+    g = geometry_from_kv_cache_config(_config(spec))
+    assert g.window == 64 and g.window_blocks == 4  # cdiv(63, 16)
+
+
 @pytest.mark.parametrize(("kind", "hint"), [
-    ("sliding", "--disable-sliding-window"),
     ("chunked", "chunked-local"),
     ("sparse-mla", "sparse or padded"),
 ])
 def test_other_kv_cache_specs_are_refused_with_what_to_do(kind: str, hint: str) -> None:
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MLAAttentionSpec
 
     from kvtier.vllm.geometry import geometry_from_kv_cache_config
 
     common: dict[str, Any] = {"block_size": 16, "num_kv_heads": 1, "head_size": 64,
                               "dtype": torch.float32}
     spec: Any
-    if kind == "sliding":
-        spec = SlidingWindowSpec(**common, sliding_window=64)
-    elif kind == "chunked":
+    if kind == "chunked":
         spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
     else:
         spec = MLAAttentionSpec(**common, model_version="deepseek_v4")
