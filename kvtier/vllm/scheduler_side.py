@@ -383,7 +383,7 @@ class SchedulerSide:
         fixed = own if own is not None else self.policy.fixed_tokens
         if end - num_computed < max(1, fixed or 1):
             return 0, False
-        parts, _ = self._window_keys(hit.keys[0], end)  # (only the layout is used)
+        parts = window_parts(end // self.bs, self.geom.window_blocks, self.bpc)
         staged = self._staged_chunks()
         if staged and staged + len(parts) > self._staged_cap:
             return None, False
@@ -766,7 +766,7 @@ class SchedulerSide:
         """``request_finished`` of a sliding-window model: save the window of the
         request's prefix down to its last block (down to its last chunk without tails),
         if vLLM still holds all of it. ``tokens`` announces that prefix once its window
-        is stored or being stored; ``last_key`` is the key of the piece it ends in."""
+        is stored or being stored; ``last_key`` is the key of the window's last part."""
         rid = request.request_id
         try:
             got = self._keys(request, n_chunks * self.ct)
@@ -787,18 +787,18 @@ class SchedulerSide:
                 record_drop("window_freed")
                 last = None
             else:
-                pieces = [_Piece(k, self._part_spec(ns, n).meta(k, last),
+                # part i's parent is part i - 1, part 0's the piece ending the prefix:
+                # ``last_key`` names the last part, and a lease renewal walks the window
+                prevs = [last, *part_keys[:-1]]
+                pieces = [_Piece(k, self._part_spec(ns, n).meta(k, prev),
                                  list(block_ids[b : b + n]), n if n < self.bpc else 0)
-                          for k, (b, n) in zip(part_keys, parts, strict=True)]
+                          for k, prev, (b, n) in zip(part_keys, prevs, parts, strict=True)]
                 stored = self.store.lookup_indexed(part_keys).hits
                 whole = sum(p.meta.payload_len for p in pieces)
                 saved, held = self._save_pieces(rid, request, keys, pieces[stored:],
                                                 stored, stored, supersede=False,
                                                 baseline=whole)
-                if held == len(pieces):
-                    tokens = end
-                else:
-                    last = None
+                tokens, last = (end, part_keys[-1]) if held == len(pieces) else (0, None)
         self._key_cache.pop(rid, None)
         return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
                                        saved, whole)

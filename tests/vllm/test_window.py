@@ -23,6 +23,7 @@ from kvtier.build import build_store
 from kvtier.clock import ManualClock
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace, chunk_keys, tail_key, window_key
+from kvtier.lease import renew_chain
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.window import saveable, window_parts
@@ -86,11 +87,12 @@ def test_a_finished_request_stores_only_its_window(sched: SchedulerSide) -> None
     # the window of a hit of 176 tokens: blocks 8, 9, 10 (one part: fewer than a chunk)
     assert [(op.block_ids, op.span) for op in saves] == [([108, 109, 110], 3)]
     end_key = tail_key(chunk_keys(NS.digest(), BASE, CT)[1], BASE[2 * CT:])
-    assert kv["tokens"] == 2 * CT + 3 * BS and kv["last_key"] == end_key.hex()
+    assert kv["tokens"] == 2 * CT + 3 * BS
+    assert kv["last_key"] == window_key(end_key, 0, 1).hex()
     assert kv["spilled_bytes"] == 3 * GEOM.chunk_bytes(CT) // BPC
     sched.on_worker_output({"a"}, None)
-    stored = {m.key for _, m in sched.store.host.index.entries()}
-    assert stored == {window_key(end_key, 0, 1)}
+    metas = [m for _, m in sched.store.host.index.entries()]
+    assert [(m.key, m.parent) for m in metas] == [(window_key(end_key, 0, 1), end_key)]
 
 
 def test_a_returning_turn_restores_its_prefix_by_copying_the_window(
@@ -141,6 +143,15 @@ def test_a_long_window_is_stored_in_parts_of_a_chunk(tmp_path: Path) -> None:
         assert [(op.block_ids, op.span) for op in s.build_meta().saves] == [
             ([106, 107, 108, 109], 0), ([110, 111], 2)]
         assert params["kvtier"]["tokens"] == 3 * CT
+        s.on_worker_output({"d"}, None)
+        end = chunk_keys(NS.digest(), toks, CT)[2]
+        parts = [window_key(end, 0, 2), window_key(end, 1, 2)]
+        assert params["kvtier"]["last_key"] == parts[1].hex()
+        # the parts chain back to the prefix: a lease renewal from last_key walks them
+        metas = {m.key: m.parent for _, m in s.store.host.index.entries()}
+        assert metas == {parts[0]: end, parts[1]: parts[0]}
+        s.store.flush()  # written through to the file tier: the router's renewal finds both
+        assert renew_chain([lt.tier for lt in s.store.lower], parts[1].hex()) == 2
     finally:
         s.close()
 
