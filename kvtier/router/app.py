@@ -83,6 +83,7 @@ from kvtier.router.protocol import (
     parse_renew,
     parse_request,
     prefill_body,
+    prompt_usage,
     read_body,
 )
 from kvtier.router.tenants import TenantRegistry, salt_of
@@ -229,6 +230,7 @@ class Router:
         turn.prefill_s = time.perf_counter() - t0
         handoff = kvtier_params(doc)
         turn.prefill_tokens = int(param_number(handoff, "tokens")) or None
+        turn.prefill_usage = prompt_usage(doc)
         turn.restored_tokens = int(param_number(handoff, "restored_tokens"))
         turn.restore_ms = param_number(handoff, "restore_ms")
         by_tier = handoff.get("restored_by_tier") if handoff is not None else None

@@ -26,7 +26,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from kvtier.router.protocol import Endpoint
+from kvtier.router.protocol import Endpoint, PromptUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
@@ -66,7 +66,8 @@ class Turn:
     tenant: str | None = None
     prompt_bytes: int = 0  # of the prompt text (``ProxyRequest.prompt_bytes``)
     prompt_tokens: int | None = None  # exact or estimated, as the decision used it
-    prefill_tokens: int | None = None  # the prompt tokens the prefill call reported
+    prefill_tokens: int | None = None  # the tokens the prefill call's params hold
+    prefill_usage: PromptUsage | None = None  # what the prefill call's ``usage`` said
 
     def prefill_headers(self) -> dict[str, str]:
         """What the prefill phase did, for clients and benchmarks (known before decode)."""

@@ -90,10 +90,33 @@ class Planner:
         if turn.status != 200 or turn.stream_broken or turn.ttft_s is None:
             return
         if turn.path == "prefill_decode" and turn.prefill_s is not None:
-            if turn.prefill_tokens is not None:
-                computed = max(0, turn.prefill_tokens - turn.restored_tokens)
+            computed = computed_tokens(turn)
+            if computed is not None:
                 self.costs.observe_prefill_decode(computed, turn.prefill_s, turn.ttft_s)
-                if turn.prompt_bytes:
-                    self.estimator.observe(turn.prompt_bytes, turn.prefill_tokens)
+            usage = turn.prefill_usage
+            prompt = usage.prompt_tokens if usage is not None else turn.prefill_tokens
+            if prompt and turn.prompt_bytes:
+                self.estimator.observe(turn.prompt_bytes, prompt)
         elif turn.path == "decode_only" and turn.uncached_tokens is not None:
             self.costs.observe_decode_only(turn.uncached_tokens, turn.ttft_s)
+
+
+def computed_tokens(turn: Turn) -> int | None:
+    """The prompt tokens a prefill call computed, for the per-token cost; None if unknown.
+
+    Exact where the prefill server reports ``usage.prompt_tokens_details.cached_tokens``
+    (vLLM's ``--enable-prompt-tokens-details``): the prompt less what vLLM served without
+    computing, from its own prefix cache or kvtier. Otherwise the prompt less what kvtier
+    restored counts the prefill node's own prefix-cache hits as computed (a returning
+    turn's whole history, on a node with prefix caching on), so it is capped by the
+    turn's uncached estimate (the prompt less what the tier holds of the conversation),
+    which errs the other way only when that node skipped a restore.
+    """
+    usage = turn.prefill_usage
+    if usage is not None and usage.cached_tokens is not None:
+        return max(0, usage.prompt_tokens - usage.cached_tokens)
+    prompt = usage.prompt_tokens if usage is not None else turn.prefill_tokens
+    if prompt is None:
+        return None
+    upper = max(0, prompt - turn.restored_tokens)
+    return upper if turn.uncached_tokens is None else min(upper, turn.uncached_tokens)

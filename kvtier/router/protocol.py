@@ -33,7 +33,7 @@ import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from aiohttp import web
 
@@ -241,6 +241,34 @@ def decode_body(req: ProxyRequest, handoff: Mapping[str, Any] | None) -> bytes:
     if handoff is not None:
         kvtier["expect"] = {k: handoff.get(k) for k in ("namespace", "tokens", "last_key")}
     return _splice(req.rest, {**req.own, "kv_transfer_params": {"kvtier": kvtier}})
+
+
+@dataclass(frozen=True)
+class PromptUsage:
+    """A response's ``usage`` about its prompt: ``prompt_tokens`` (exact), and
+    ``cached_tokens``, the tokens vLLM served without computing them (its own prefix cache
+    plus the connector's loads), present only where the server runs with
+    ``--enable-prompt-tokens-details``."""
+
+    prompt_tokens: int
+    cached_tokens: int | None = None
+
+
+def prompt_usage(doc: object) -> PromptUsage | None:
+    """``doc["usage"]`` as a ``PromptUsage``; None where it has no positive integer
+    ``prompt_tokens``."""
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, details = usage.get("prompt_tokens"), usage.get("prompt_tokens_details")
+    if not _count(prompt) or prompt <= 0:
+        return None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return PromptUsage(prompt, cached if _count(cached) and cached <= prompt else None)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def kvtier_params(doc: object) -> dict[str, Any] | None:

@@ -13,9 +13,11 @@ and the threshold is ``saved_seconds / per_token`` tokens, measured from the rou
 turns (``PathCosts``):
 
 * ``per_token`` and the prefill hop: a line ``prefill_seconds = hop + per_token * u`` fitted
-  over prefill calls, with ``u`` the tokens that call computed (its ``tokens`` minus its
-  ``restored_tokens``, both reported exactly by the prefill node): the kvtier cost model's
-  prefill-per-token, with restore time and the HTTP/scheduling hop in the intercept;
+  over prefill calls, with ``u`` the tokens that call computed (``planner.computed_tokens``:
+  exact from ``usage.prompt_tokens_details.cached_tokens`` where the prefill server reports
+  it, else bounded by what kvtier restored and by the turn's uncached estimate): the kvtier
+  cost model's prefill-per-token, with restore time and the HTTP/scheduling hop in the
+  intercept;
 * the P/D decode leg: ``ttft - prefill_seconds`` of prefill-then-decode turns (hop,
   publish wait, the decode node's restore, its first step);
 * the decode-only fixed cost: the intercept of ``ttft = fixed + slope * u`` over
@@ -23,9 +25,10 @@ turns (``PathCosts``):
   decode call that restores the prefix).
 
 ``saved_seconds = hop + decode_leg - fixed``. Until ``MIN_OBSERVATIONS`` prefill calls
-with distinct sizes are seen (or if the fit is degenerate), the threshold is
-``DEFAULT_THRESHOLD_TOKENS``. It is always capped at ``max_direct_tokens``: a long suffix
-on the decode node stalls its streams however cheap the hop.
+are seen whose sizes spread by ``MIN_SPREAD`` of their mean (or if the fit is degenerate),
+the threshold is ``DEFAULT_THRESHOLD_TOKENS``. It is always capped at
+``max_direct_tokens``: a long suffix on the decode node stalls its streams however cheap
+the hop.
 
 Load enters in the same unit: uncached tokens already queued on each role (the router's
 own in-flight calls, per backend) delay that path by as many tokens' time, so the turn's
@@ -55,6 +58,8 @@ DEFAULT_MAX_DIRECT_TOKENS = 2048
 #: Bytes of prompt text per token until measured (English text, BPE tokenizers).
 DEFAULT_BYTES_PER_TOKEN = 4.0
 MIN_OBSERVATIONS = 8
+#: The fit needs x values whose standard deviation is at least this fraction of their mean.
+MIN_SPREAD = 0.25
 
 
 class LineFit:
@@ -82,13 +87,16 @@ class LineFit:
     def mean_y(self) -> float | None:
         return self._sy / self._w if self.n else None
 
-    def line(self, min_n: int = MIN_OBSERVATIONS) -> tuple[float, float] | None:
-        """``(a, b)``, or ``None`` before ``min_n`` observations or without spread in x."""
+    def line(self, min_n: int = MIN_OBSERVATIONS,
+             min_spread: float = MIN_SPREAD) -> tuple[float, float] | None:
+        """``(a, b)``, or ``None`` before ``min_n`` observations or while the x values'
+        standard deviation is under ``min_spread`` times their mean (sizes that close
+        leave the slope to noise: first turns of one workload all alike, for example)."""
         if self.n < min_n:
             return None
         mx, my = self._sx / self._w, self._sy / self._w
         var = self._sxx / self._w - mx * mx
-        if var <= 1e-9 * max(1.0, mx * mx):
+        if var <= 1e-9 * max(1.0, mx * mx) or var < (min_spread * mx) ** 2:
             return None
         b = (self._sxy / self._w - mx * my) / var
         return my - b * mx, b

@@ -14,6 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtier.router.metrics import Turn
+from kvtier.router.planner import computed_tokens
+from kvtier.router.protocol import PromptUsage, prompt_usage
 from kvtier.router.selective import (
     DEFAULT_THRESHOLD_TOKENS,
     MIN_OBSERVATIONS,
@@ -73,6 +76,40 @@ def test_threshold_is_the_default_until_prefill_calls_of_several_sizes_are_measu
     t = costs.threshold()
     assert (t.tokens, t.measured) == (DEFAULT_THRESHOLD_TOKENS, False)
     assert "prefill calls measured" in t.why
+
+
+def test_threshold_is_the_default_while_prefill_sizes_are_all_alike() -> None:
+    costs = PathCosts()
+    for i in range(MIN_OBSERVATIONS * 2):  # first turns of one workload: 1530-1590 tokens
+        u = 1530 + (i * 37) % 61
+        costs.observe_prefill_decode(u, 0.7e-3 * u + (0.05 if i % 2 else -0.05), 1.0)
+    assert costs.threshold().measured is False
+    for i in range(MIN_OBSERVATIONS):  # returning turns: short suffixes
+        costs.observe_prefill_decode(60 + 10 * i, 0.7e-3 * (60 + 10 * i), 0.3)
+    assert costs.threshold().measured
+
+
+def test_computed_tokens_come_from_vllms_usage_when_it_reports_the_cached_ones() -> None:
+    def turn(usage: PromptUsage | None, restored: int = 0,
+             uncached: int | None = None) -> Turn:
+        return Turn("completions", 0.0, prefill_tokens=1792, restored_tokens=restored,
+                    uncached_tokens=uncached, prefill_usage=usage)
+
+    # --enable-prompt-tokens-details: exact, whatever served the rest
+    assert computed_tokens(turn(PromptUsage(1850, 1792), uncached=1000)) == 58
+    # without it: the prompt less kvtier's restore, capped by the uncached estimate
+    # (the prefill node's own prefix cache served the history)
+    assert computed_tokens(turn(PromptUsage(1850), restored=256, uncached=120)) == 120
+    assert computed_tokens(turn(PromptUsage(1850), restored=1792, uncached=120)) == 58
+    assert computed_tokens(turn(None, restored=0)) == 1792  # no usage: the params' tokens
+    assert computed_tokens(Turn("completions", 0.0)) is None
+    doc = {"usage": {"prompt_tokens": 1850, "prompt_tokens_details": {"cached_tokens": 1792}}}
+    assert prompt_usage(doc) == PromptUsage(1850, 1792)
+    assert prompt_usage({"usage": {"prompt_tokens": 10}}) == PromptUsage(10)
+    assert prompt_usage({"usage": {"prompt_tokens": True}}) is None
+    assert prompt_usage({"usage": None}) is None and prompt_usage([]) is None
+    over = {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 11}}
+    assert prompt_usage({"usage": over}) == PromptUsage(10)  # more cached than prompt: unknown
 
 
 def test_threshold_is_the_saved_hop_over_the_per_token_prefill_cost() -> None:

@@ -338,8 +338,10 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
     straight to the decode node (which restores the held prefix and computes the rest),
     both equal to a recompute; another tenant sending the same prompt and the same
     ``cache_salt`` gets none of the first tenant's KV (the router sets the salt), and no
-    prefix-hit information unless it asks; ``/health`` shows no backend to a caller
-    without a key."""
+    prefix-hit information unless it asks; the same when both tenants send no
+    ``cache_salt`` at all, while the first tenant's own next request (another
+    conversation, another client salt) restores its KV; ``/health`` shows no backend to a
+    caller without a key."""
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(json.dumps({"keys": {KEY_ALPHA: "alpha", KEY_BETA: "beta"}}))
     args = ["--tiers", str(pd.tiers_config), "--request-timeout", "60", "--pd-mode", "auto",
@@ -347,12 +349,14 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
 
     with router_process(tmp_path, pd.prefill.url, pd.decode.url, name="router-auto",
                         args=args) as url:
-        def send(key: str, conv: str, prompt: list[int], hits: bool = True) -> httpx.Response:
+        def send(key: str, conv: str, prompt: list[int], hits: bool = True,
+                 salt: str | None = "chosen-by-the-client") -> httpx.Response:
             headers = {"Authorization": f"Bearer {key}"}
             if hits:
                 headers["X-KVTier-Report"] = "hits"
-            body = {**BASE, "prompt": prompt, "max_tokens": 16, "conversation_id": conv,
-                    "cache_salt": "chosen-by-the-client"}
+            body = {**BASE, "prompt": prompt, "max_tokens": 16, "conversation_id": conv}
+            if salt is not None:
+                body["cache_salt"] = salt
             r = pd.client.post(url + "/v1/completions", json=body, headers=headers)
             assert r.status_code == 200, r.text
             return r
@@ -383,6 +387,29 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
         assert after["local_compute"] - before["local_compute"] == len(follow)
         assert "kv_transfer_params" not in r3.json()
         assert not any(h.lower().startswith("x-kvtier-restore") for h in r3.headers)
+
+        # No cache_salt from either client: without tenants both would share one namespace.
+        fresh = _tokens(600, seed=43)
+        ref = pd.reference(fresh, 16)["token_ids"]
+        r4 = send(KEY_ALPHA, "alpha-unsalted", fresh, salt=None)
+        assert r4.headers["X-KVTier-Path"] == "prefill_decode"  # a new 600-token prompt
+        assert r4.json()["choices"][0]["token_ids"] == ref
+        before = pd.prefill_tokens()
+        r5 = send(KEY_BETA, "beta-unsalted", fresh, salt=None)
+        after = pd.prefill_tokens()
+        assert r5.headers["X-KVTier-Path"] == "prefill_decode"
+        assert r5.json()["choices"][0]["token_ids"] == ref
+        assert after["external_kv_transfer"] == before["external_kv_transfer"]
+        assert after["local_compute"] - before["local_compute"] == len(fresh)
+        # ... while alpha's next request, under another conversation and another client
+        # salt, restores what alpha's first one stored: 4 full chunks, the rest computed.
+        before = after
+        r6 = send(KEY_ALPHA, "alpha-again", fresh, salt="another-client-salt")
+        after = pd.prefill_tokens()
+        assert r6.json()["choices"][0]["token_ids"] == ref
+        assert r6.headers["X-KVTier-Path"] == "prefill_decode"
+        assert after["external_kv_transfer"] - before["external_kv_transfer"] == 512
+        assert after["local_compute"] - before["local_compute"] == len(fresh) - 512
 
         health = pd.client.get(url + "/health")
         assert pd.prefill.url not in health.text and pd.decode.url not in health.text
