@@ -74,6 +74,57 @@ def test_a_changed_entry_is_not_forgotten_by_a_stale_version() -> None:
     assert index.forget_if(key, now) and key not in index
 
 
+def test_a_lookup_never_waits_for_a_bulk_insert_holding_the_index_lock() -> None:
+    """vLLM's scheduler thread asks ``key in index``; a start scan's batch holds the index
+    lock (here: indefinitely, inside the batch it is adding). The lookup must answer."""
+    index = CompactIndex()
+    old = make_key(1)
+    index.remember(old, 10, 1.0)
+    inside, go = threading.Event(), threading.Event()
+    released: list[bool] = []
+
+    def batch() -> Iterator[tuple[ChunkKey, int, float]]:
+        yield make_key(2), 10, 1.0
+        inside.set()  # add_scanned holds the lock while it consumes this generator
+        go.wait(SAFETY_S)
+        released.append(True)
+        yield make_key(3), 10, 1.0
+
+    writer = threading.Thread(target=index.add_scanned, args=(batch(),))
+    writer.start()
+    assert inside.wait(SAFETY_S)
+    found, absent = old in index, make_key(4) in index
+    assert not released, "the lookup waited for the bulk insert to let go of the lock"
+    assert found and not absent
+    go.set()
+    writer.join(SAFETY_S)
+    assert make_key(3) in index and len(index) == 3
+
+
+def test_lookups_find_every_present_key_while_the_table_and_slab_grow() -> None:
+    index = CompactIndex(initial=16)  # many table rebuilds and slab growths ahead
+    present = [make_key(i) for i in range(200)]
+    for key in present:
+        index.remember(key, 1, 1.0)
+    new = [ChunkKey(b"\xff" + i.to_bytes(15, "big")) for i in range(60_000)]
+    done = threading.Event()
+
+    def insert() -> None:
+        for i in range(0, len(new), 256):
+            index.add_scanned((k, 1, 1.0) for k in new[i : i + 256])
+        done.set()
+
+    writer = threading.Thread(target=insert)
+    writer.start()
+    rounds = 0
+    while not done.is_set() or rounds == 0:
+        assert all(key in index for key in present), "a present key was missed"
+        assert make_key(10_000) not in index
+        rounds += 1
+    writer.join(SAFETY_S)
+    assert all(key in index for key in new)
+
+
 # -- the tier ---------------------------------------------------------------------------------
 @pytest.fixture
 def clock() -> ManualClock:
