@@ -16,6 +16,7 @@ from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey
 from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
+from kvtier.tiers.objtier import scan_delay
 from kvtier.tiers.transport import Page
 from tests.tiers.harness import make_key, meta_for, payload_for
 
@@ -190,6 +191,30 @@ def test_a_tier_serves_before_its_index_is_complete(
     coldest = [k for k, _ in tier.index.coldest(len(keys))]
     assert coldest == [k for k in keys if k != unscanned[0]] + [unscanned[0]]
     tier.close()
+
+
+def test_the_scan_pace_lists_at_most_the_rate_counted_from_its_start() -> None:
+    assert scan_delay(1000, 0.5, 0) == 0  # no limit
+    assert scan_delay(1000, 0.5, 100) == pytest.approx(9.5)  # 1,000 objects: 10 s in all
+    assert scan_delay(1000, 12.0, 100) == 0  # behind (a slow listing): no wait
+    assert scan_delay(0, 0.0, 100) == 0
+
+
+def test_a_rate_limited_start_scan_serves_probes_and_stops_at_close(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    keys = _fill(tmp_path, clock, 40)  # one object in each of 40 top-level directories
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, background_index=True, scan_rate=1.0)
+    # The first page (one object) was listed; the next waits until 1 object/s allows it.
+    assert not tier.index_ready and tier.metrics.index_scanned <= 2
+    late = keys[-1]
+    assert not tier.indexed(late)
+    assert tier.contains_prefix([late]) == 1  # asked of the directory itself
+    tier.close()  # ends the scan's wait at once: no 40 s scan behind a closed tier
+    assert tier.wait_indexed(SAFETY_S)
+    assert tier.metrics.index_scanned < len(keys)
+    with pytest.raises(ValueError, match="scan_rate"):
+        FileTier(tmp_path, 1 << 40, clock=clock, scan_rate=-1)
 
 
 def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
