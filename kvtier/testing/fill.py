@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.keys import ChunkKey
+from kvtier.tiers import fsutil
 
 SHARDS = 256
 _FLAGS = os.O_CREAT | os.O_EXCL | os.O_WRONLY
@@ -49,7 +50,7 @@ def fill_file_tier(root: Path, n: int, *, sample: int = 0, mode: int = 0o600,
     ``sample`` of their keys. ``progress(created, seconds)`` after every 32 directories."""
     kv = root / "kv"
     kv.mkdir(parents=True, exist_ok=True)
-    dir_mode = mode | ((mode & 0o444) >> 2)
+    dir_mode = fsutil.dir_mode(mode)
     kept: list[ChunkKey] = []
     t0 = time.perf_counter()
     top = os.open(kv, os.O_RDONLY | os.O_DIRECTORY)
