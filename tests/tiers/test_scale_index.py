@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey
+from kvtier.testing.fill import fill_file_tier
 from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
 from kvtier.tiers.objtier import scan_delay
@@ -215,6 +216,18 @@ def test_a_rate_limited_start_scan_serves_probes_and_stops_at_close(
     assert tier.metrics.index_scanned < len(keys)
     with pytest.raises(ValueError, match="scan_rate"):
         FileTier(tmp_path, 1 << 40, clock=clock, scan_rate=-1)
+
+
+def test_a_filled_directory_is_a_tier_of_that_many_objects(tmp_path: Path) -> None:
+    live = FileTier(tmp_path, 1 << 40)  # a live tier's directories are used as they are
+    key = make_key(7)
+    live.put(meta_for(key, 64), payload_for(key, 64).data)
+    filled = fill_file_tier(tmp_path, 1000, sample=100)
+    assert filled.objects == 1000 and 90 <= len(filled.sample) <= 110
+    tier = FileTier(tmp_path, 1 << 40)
+    assert tier.usage().objects == 1001
+    assert all(tier.indexed(k) for k in [key, *filled.sample])
+    assert len({k[0] for k in filled.sample}) > 64  # spread over the directories
 
 
 def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
