@@ -14,8 +14,8 @@ that made 14,600 files a second against 5,300 with ``open``/``close`` and about 
 with a path per file.
 
 Directories already there (a live tier) are used as they are; files are never replaced
-(``mknod`` fails on a name that exists). Each of the 256 top-level directories gets ``n // 256`` keys (one more for
-the first ``n % 256``), random within it.
+(``mknod`` fails on a name that exists). Each of the 256 top-level directories gets
+``n // 256`` keys (one more for the first ``n % 256``), random within it.
 """
 
 from __future__ import annotations
