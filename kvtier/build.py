@@ -41,6 +41,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
             temp_grace=spec.temp_grace_seconds,
             clock=clock,
             background_index=spec.index == "background",
+            scan_rate=spec.index_objects_per_second,
             setting=f"{setting}.file",
         )
     from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
@@ -62,6 +63,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
         conditionals=spec.conditionals,
         clock=clock,
         background_index=spec.index == "background",
+        scan_rate=spec.index_objects_per_second,
         name=f"s3{index}",
         setting=f"{setting}.s3",
     )

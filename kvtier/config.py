@@ -101,6 +101,10 @@ class FileConfig(_Model):
     #: ``background``: the tier serves at once and its index fills on a thread (lookups
     #: the index cannot answer yet are probed); ``blocking``: start waits for the scan.
     index: Literal["background", "blocking"] = "background"
+    #: Objects per second the start scan lists at most (0: no limit): bounds the start-up
+    #: metadata load a restart puts on a shared NFS/CephFS (one ``stat`` per object).
+    #: Nothing is collected until the scan is done, so keep objects / rate reasonable.
+    index_objects_per_second: float = Field(0.0, ge=0)
 
 
 class S3Config(_Model):
@@ -127,6 +131,8 @@ class S3Config(_Model):
     conditionals: Literal["auto", "trusted", "untrusted"] = "auto"
     #: As ``file.index``: ``background`` lists the prefix on a thread after the first page.
     index: Literal["background", "blocking"] = "background"
+    #: As ``file.index_objects_per_second`` (a listing page is 1,000 objects).
+    index_objects_per_second: float = Field(0.0, ge=0)
 
 
 class TierEntry(_Model):

@@ -173,6 +173,15 @@ def test_temp_grace_is_positive() -> None:
         parse_config(_with_file(temp_grace_seconds=0), environ={})
 
 
+def test_the_start_scan_rate_defaults_to_no_limit_and_is_not_negative() -> None:
+    spec = parse_config(_with_file(), environ={}).tiers[1].file
+    assert spec is not None and spec.index_objects_per_second == 0
+    spec = parse_config(_with_file(index_objects_per_second=500), environ={}).tiers[1].file
+    assert spec is not None and spec.index_objects_per_second == 500
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.file\.index_objects_per_second: "):
+        parse_config(_with_file(index_objects_per_second=-1), environ={})
+
+
 def test_renew_on_access_is_refused_with_the_reason() -> None:
     for value in (True, False):
         with pytest.raises(ConfigError, match=r"retention: renew_on_access was removed: every "

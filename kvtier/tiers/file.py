@@ -355,15 +355,17 @@ class FileTier(ObjectTier):
         setting: str = "file",
         background_index: bool = False,
         tick_objects: int = TICK_OBJECTS,
+        scan_rate: float = 0.0,
     ) -> None:
         """``background_index``: return at once and fill the index on a thread (an engine
-        start); else the constructor scans the whole directory (tools, tests)."""
+        start); else the constructor scans the whole directory (tools, tests).
+        ``scan_rate``: objects per second the start scan lists at most (0: no limit)."""
         metrics = TierMetrics(name)
         transport = FileTransport(Path(root), fsync=fsync, mode=mode, clock=clock,
                                   metrics=metrics)
         super().__init__(transport, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick_objects=tick_objects)
+                         tick_objects=tick_objects, scan_rate=scan_rate)
         self.metrics = metrics
         self.files = transport
         self.root = transport.root

@@ -13,7 +13,11 @@ Invariants:
   (``contains_prefix`` asks it: ``TieredStore.probe`` does that on a probe thread, never
   the scheduler's), and ``collect`` does nothing (usage is not known yet). Progress and
   readiness are exported (``kvtier_tier_index_scanned_objects``, ``kvtier_tier_index_ready``)
-  and the end is logged with the time taken.
+  and the end is logged with the time taken. With ``scan_rate`` (objects per second, 0:
+  no limit) the start scan waits before each page until, counted from its start, it
+  has listed at most that many per second (``scan_delay``): whole pages, so a burst is
+  one page. ``close`` ends the wait at once. Collection waits for the whole scan, so a
+  rate that makes it take hours leaves the tier uncollected that long.
 * **A compact index** (``CompactIndex``, 44 bytes an entry plus its table cell). Scanned
   entries are linked coldest first when the scan ends; until then eviction has nothing to
   go on, which is why ``collect`` waits.
@@ -79,6 +83,14 @@ COLLECT_MAX = 4096
 _FILL_BATCH = 512  # scanned entries added per index lock hold
 
 _Pick = tuple[ChunkKey, Entry | None]
+
+
+def scan_delay(listed: int, elapsed: float, rate: float) -> float:
+    """Seconds a start scan that has listed ``listed`` objects in ``elapsed`` seconds
+    waits before its next page to list at most ``rate`` objects a second (0: none)."""
+    if rate <= 0:
+        return 0.0
+    return max(0.0, listed / rate - elapsed)
 _Doomed = tuple[ChunkKey, Stat, Entry | None]
 
 
@@ -90,9 +102,11 @@ class ObjectTier:
     def __init__(
         self, transport: Transport, capacity_bytes: int, *, name: str, clock: Clock,
         touch_interval: float, low_watermark: float, tick_objects: int = TICK_OBJECTS,
-        walk_interval: float = 30.0,
+        walk_interval: float = 30.0, scan_rate: float = 0.0,
     ) -> None:
         """Subclasses call ``_open`` once their transport is ready."""
+        if scan_rate < 0:
+            raise ValueError(f"scan_rate: must be >= 0 objects/s (0: no limit), got {scan_rate}")
         self.transport = transport
         self.capacity = capacity_bytes
         self._name = name
@@ -109,7 +123,8 @@ class ObjectTier:
         #: Full passes the walk has completed (tests, benchmarks).
         self.passes = 0
         self._ready = threading.Event()
-        self._closed = False
+        self._scan_rate = scan_rate
+        self._closing = threading.Event()  # set by close: the start scan stops
         self._faulting = False  # log the first fault of an outage; count the rest
         self.index_seconds: float | None = None  # how long the start scan took
 
@@ -138,7 +153,8 @@ class ObjectTier:
                     self.index.add_scanned(page.objects[i : i + _FILL_BATCH])
                 n += len(page.objects)
                 self.metrics.index_scan(n, ready=False)
-                if page.next is None or self._closed:
+                wait = scan_delay(n, time.perf_counter() - t0, self._scan_rate)
+                if page.next is None or self._closing.wait(wait):
                     break
                 page = self.transport.page(page.next)
         except Exception as e:  # the thread must end ready: the walk finds the rest
@@ -532,5 +548,5 @@ class ObjectTier:
         return self._remove(self._doom(picked, heads, cutoff), evicting=True)[0]
 
     def close(self) -> None:
-        self._closed = True  # the start scan stops after its current page
+        self._closing.set()  # the start scan stops after its current page (or wait)
         self.transport.close()

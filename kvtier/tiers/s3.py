@@ -232,9 +232,11 @@ class S3Tier(ObjectTier):
         conditionals: Mode = "auto",
         background_index: bool = False,
         tick_objects: int = TICK_OBJECTS,
+        scan_rate: float = 0.0,
     ) -> None:
         """``background_index``: return after the first listing page and fill the index
-        on a thread (an engine start); else the constructor lists the whole prefix."""
+        on a thread (an engine start); else the constructor lists the whole prefix.
+        ``scan_rate``: objects per second the start scan lists at most (0: no limit)."""
         self.bucket = bucket
         self.prefix = "".join(f"{p}/" for p in prefix.split("/") if p)  # "/a//b" -> "a/b/"
         self.endpoint_url = endpoint_url
@@ -273,7 +275,7 @@ class S3Tier(ObjectTier):
         self.objects = S3Transport(self.io, self.prefix, self.conditionals)
         super().__init__(self.objects, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick_objects=tick_objects)
+                         tick_objects=tick_objects, scan_rate=scan_rate)
         try:
             self._open(background_index)
         except S3_ERRORS as e:

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from kvtier.clock import ManualClock
 from kvtier.keys import ChunkKey
+from kvtier.testing.fill import fill_file_tier
 from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
+from kvtier.tiers.objtier import scan_delay
 from kvtier.tiers.transport import Page
 from tests.tiers.harness import make_key, meta_for, payload_for
 
@@ -72,6 +74,57 @@ def test_a_changed_entry_is_not_forgotten_by_a_stale_version() -> None:
     assert now is not None and CompactIndex.changed_since(now, mark)
     assert not index.forget_if(key, seen) and key in index
     assert index.forget_if(key, now) and key not in index
+
+
+def test_a_lookup_never_waits_for_a_bulk_insert_holding_the_index_lock() -> None:
+    """vLLM's scheduler thread asks ``key in index``; a start scan's batch holds the index
+    lock (here: indefinitely, inside the batch it is adding). The lookup must answer."""
+    index = CompactIndex()
+    old = make_key(1)
+    index.remember(old, 10, 1.0)
+    inside, go = threading.Event(), threading.Event()
+    released: list[bool] = []
+
+    def batch() -> Iterator[tuple[ChunkKey, int, float]]:
+        yield make_key(2), 10, 1.0
+        inside.set()  # add_scanned holds the lock while it consumes this generator
+        go.wait(SAFETY_S)
+        released.append(True)
+        yield make_key(3), 10, 1.0
+
+    writer = threading.Thread(target=index.add_scanned, args=(batch(),))
+    writer.start()
+    assert inside.wait(SAFETY_S)
+    found, absent = old in index, make_key(4) in index
+    assert not released, "the lookup waited for the bulk insert to let go of the lock"
+    assert found and not absent
+    go.set()
+    writer.join(SAFETY_S)
+    assert make_key(3) in index and len(index) == 3
+
+
+def test_lookups_find_every_present_key_while_the_table_and_slab_grow() -> None:
+    index = CompactIndex(initial=16)  # many table rebuilds and slab growths ahead
+    present = [make_key(i) for i in range(200)]
+    for key in present:
+        index.remember(key, 1, 1.0)
+    new = [ChunkKey(b"\xff" + i.to_bytes(15, "big")) for i in range(60_000)]
+    done = threading.Event()
+
+    def insert() -> None:
+        for i in range(0, len(new), 256):
+            index.add_scanned((k, 1, 1.0) for k in new[i : i + 256])
+        done.set()
+
+    writer = threading.Thread(target=insert)
+    writer.start()
+    rounds = 0
+    while not done.is_set() or rounds == 0:
+        assert all(key in index for key in present), "a present key was missed"
+        assert make_key(10_000) not in index
+        rounds += 1
+    writer.join(SAFETY_S)
+    assert all(key in index for key in new)
 
 
 # -- the tier ---------------------------------------------------------------------------------
@@ -139,6 +192,42 @@ def test_a_tier_serves_before_its_index_is_complete(
     coldest = [k for k, _ in tier.index.coldest(len(keys))]
     assert coldest == [k for k in keys if k != unscanned[0]] + [unscanned[0]]
     tier.close()
+
+
+def test_the_scan_pace_lists_at_most_the_rate_counted_from_its_start() -> None:
+    assert scan_delay(1000, 0.5, 0) == 0  # no limit
+    assert scan_delay(1000, 0.5, 100) == pytest.approx(9.5)  # 1,000 objects: 10 s in all
+    assert scan_delay(1000, 12.0, 100) == 0  # behind (a slow listing): no wait
+    assert scan_delay(0, 0.0, 100) == 0
+
+
+def test_a_rate_limited_start_scan_serves_probes_and_stops_at_close(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    keys = _fill(tmp_path, clock, 40)  # one object in each of 40 top-level directories
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, background_index=True, scan_rate=1.0)
+    # The first page (one object) was listed; the next waits until 1 object/s allows it.
+    assert not tier.index_ready and tier.metrics.index_scanned <= 2
+    late = keys[-1]
+    assert not tier.indexed(late)
+    assert tier.contains_prefix([late]) == 1  # asked of the directory itself
+    tier.close()  # ends the scan's wait at once: no 40 s scan behind a closed tier
+    assert tier.wait_indexed(SAFETY_S)
+    assert tier.metrics.index_scanned < len(keys)
+    with pytest.raises(ValueError, match="scan_rate"):
+        FileTier(tmp_path, 1 << 40, clock=clock, scan_rate=-1)
+
+
+def test_a_filled_directory_is_a_tier_of_that_many_objects(tmp_path: Path) -> None:
+    live = FileTier(tmp_path, 1 << 40)  # a live tier's directories are used as they are
+    key = make_key(7)
+    live.put(meta_for(key, 64), payload_for(key, 64).data)
+    filled = fill_file_tier(tmp_path, 1000, sample=100)
+    assert filled.objects == 1000 and 90 <= len(filled.sample) <= 110
+    tier = FileTier(tmp_path, 1 << 40)
+    assert tier.usage().objects == 1001
+    assert all(tier.indexed(k) for k in [key, *filled.sample])
+    assert len({k[0] for k in filled.sample}) > 64  # spread over the directories
 
 
 def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
