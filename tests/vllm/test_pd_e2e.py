@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,7 +342,7 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
     prefix-hit information unless it asks; the same when both tenants send no
     ``cache_salt`` at all, while the first tenant's own next request (another
     conversation, another client salt) restores its KV; ``/health`` shows no backend to a
-    caller without a key."""
+    caller without a key, and a flood of ``/health`` calls does not reach the servers."""
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(json.dumps({"keys": {KEY_ALPHA: "alpha", KEY_BETA: "beta"}}))
     args = ["--tiers", str(pd.tiers_config), "--request-timeout", "60", "--pd-mode", "auto",
@@ -413,6 +414,20 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
 
         health = pd.client.get(url + "/health")
         assert pd.prefill.url not in health.text and pd.decode.url not in health.text
+
+        # an unauthenticated flood of /health is answered from the router's cached state:
+        # each vLLM server's access log shows at most a probe or two from it (one per
+        # second of flood), not one per call
+        def probes() -> int:
+            return sum(s.log_path.read_text(errors="replace").count("GET /health")
+                       for s in (pd.prefill, pd.decode))
+
+        before_probes = probes()
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.get(url + "/health").status_code,
+                                  range(64)))
+        assert set(codes) == {200}
+        assert 0 < probes() - before_probes <= 2 * 4, "the flood reached the backends"
 
 
 def test_router_faults_get_a_clear_status(pd: PD) -> None:
