@@ -312,46 +312,36 @@ def _deepseek_v2_config(spec: TinyLlamaSpec) -> Any:
     )
 
 
+def _llama_fields(spec: TinyLlamaSpec) -> dict[str, Any]:
+    """The config fields Llama and Mistral (Llama with a sliding window) share."""
+    return {
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.resolved_head_dim,
+        "max_position_embeddings": spec.max_pos,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+    }
+
+
 def _llama_config(spec: TinyLlamaSpec) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.resolved_head_dim,
-        max_position_embeddings=spec.max_pos,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    )
+    return LlamaConfig(**_llama_fields(spec))
 
 
 def _mistral_config(spec: TinyLlamaSpec) -> Any:
     from transformers import MistralConfig
 
-    return MistralConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.resolved_head_dim,
-        max_position_embeddings=spec.max_pos,
-        sliding_window=spec.sliding_window,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        architectures=["MistralForCausalLM"],
-    )
+    return MistralConfig(**_llama_fields(spec), sliding_window=spec.sliding_window,
+                         architectures=["MistralForCausalLM"])
 
 
 _CONFIGS = {"llama": _llama_config, "deepseek_v2": _deepseek_v2_config,
