@@ -330,6 +330,77 @@ class SchedulerSide:
                 return _Tail(chunk, k, key, found.tiers[0])
         return None
 
+    def _own_threshold(self, request: Any) -> int | None:
+        """The request's own fixed threshold (``kvtier.recompute_threshold_tokens``), if
+        it set a valid one; an invalid one is ignored, with one warning per engine."""
+        own, bad = _request_threshold(_request_params(request))
+        if bad and not self._bad_threshold_logged:
+            self._bad_threshold_logged = True
+            log.warning("kvtier: ignoring kv_transfer_params.kvtier."
+                        "recompute_threshold_tokens (not a non-negative integer)")
+        return own
+
+    def _chunk_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
+                     num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+        """Start staging the stored chunks (and tail) past vLLM's own hit: its
+        ``_Lookup``, or the hook's answer when there is nothing to stage (0) or it must
+        ask again (None: a probe or an announced chain pending, or no room now)."""
+        rid = request.request_id
+        first = num_computed // self.ct
+        wanted = keys[: -(-limit // self.ct)]
+        hit = self.store.lookup_indexed(wanted[first:])
+        announced, ann_tail = self._announced(request, keys, limit)
+
+        def missing() -> bool:  # announced by the prefill node, not visible here yet
+            return announced > first + hit.hits or (
+                ann_tail is not None and not self.store.lookup_indexed([ann_tail]).hits)
+
+        beyond = wanted[first + hit.hits :]
+        if ann_tail is not None:  # the announced chain: its chunks, then its tail
+            beyond = wanted[first + hit.hits : announced]
+            if not self.store.lookup_indexed([ann_tail]).hits:
+                beyond.append(ann_tail)
+        if self._probing(rid, beyond, missing()):
+            return None, False
+        if beyond:
+            hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
+        if missing() and self.store.shared_up(every=False) and self._keep_waiting(rid):
+            return None, False  # (no shared tier can answer: stop waiting now)
+        waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
+        t0 = time.perf_counter() - waited
+        tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
+        if hit.hits == 0 and tail is None:
+            return 0, False
+        own = self._own_threshold(request)
+        tiers, lim = list(hit.tiers), limit
+        if tail is not None:  # an entry of its own, ending the restore where it ends
+            tiers.append(tail.tier)
+            lim = min(limit, tail.chunk * self.ct + tail.blocks * self.bs)
+        d = self.policy.chunks_to_restore(
+            num_computed, self.ct, self.slot_bytes,
+            [self.store.tiers[i].name for i in tiers], limit_tokens=lim,
+            fixed_tokens=own,
+        )
+        log.debug("kvtier: %s: %s", rid, d)
+        self._decisions[rid] = d
+        if d.chunks == 0:
+            return 0, False
+        staged = self._staged_chunks()
+        if staged and staged + d.chunks > self._staged_cap:
+            return None, False  # staged KV is waiting for admission: ask again
+        full = min(d.chunks, hit.hits)
+        found, specs = hit.head(full), [self._spec(ns)] * full
+        tail_blocks = 0
+        if tail is not None and d.chunks > hit.hits:
+            found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
+            specs.append(self._tail_spec(ns, tail.blocks))
+            tail_blocks = tail.blocks
+        lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
+                     t0=t0, threshold=own, progress=LoadProgress(self.clock),
+                     chunks=d.chunks)
+        lk.future = self.store.load(found, specs, lk.progress)
+        return lk
+
     # -- sliding-window models (``window.py``) -----------------------------------------------
     def _part_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
         """A window part of ``blocks`` blocks: a whole chunk's shape, or a tail's."""
@@ -342,9 +413,9 @@ class SchedulerSide:
         return parts, [window_key(end_key, i, len(parts)) for i in range(len(parts))]
 
     def _find_window(self, request: Any, keys: Sequence[ChunkKey], num_computed: int,
-                     limit: int) -> tuple[int, Lookup] | None:
+                     limit: int) -> tuple[int, list[tuple[int, int]], Lookup] | None:
         """The longest prefix past ``num_computed``, at most ``limit`` tokens, whose window
-        is stored whole: its end and where its parts are. Ends of saves are chunk
+        is stored whole: its end, the window's parts and where they are. Ends of saves are chunk
         boundaries (each costs hashing one key of 16 bytes) and, with tails, block
         boundaries inside a chunk (each costs hashing up to a chunk's tokens): those are
         tried in the ``WINDOW_TAIL_CHUNKS`` highest chunks only. Memory only."""
@@ -363,10 +434,10 @@ class SchedulerSide:
                     return None
                 if key is None:
                     key = self._tail_key(request, keys, n, (end - n * self.ct) // self.bs)
-                _, part_keys = self._window_keys(key, end)
+                parts, part_keys = self._window_keys(key, end)
                 hit = self.store.lookup_indexed(part_keys)
                 if hit.hits == len(part_keys):
-                    return end, hit
+                    return end, parts, hit
         return None
 
     def _window_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
@@ -378,12 +449,11 @@ class SchedulerSide:
         found = self._find_window(request, keys, num_computed, limit)
         if found is None:
             return 0, False
-        end, hit = found
-        own, _ = _request_threshold(_request_params(request))
+        end, parts, hit = found
+        own = self._own_threshold(request)
         fixed = own if own is not None else self.policy.fixed_tokens
         if end - num_computed < max(1, fixed or 1):
             return 0, False
-        parts = window_parts(end // self.bs, self.geom.window_blocks, self.bpc)
         staged = self._staged_chunks()
         if staged and staged + len(parts) > self._staged_cap:
             return None, False
@@ -445,69 +515,11 @@ class SchedulerSide:
             if got is PENDING:
                 return None, False
             ns, keys = got
-            if self.geom.window:
-                started = self._window_start(request, ns, keys, num_computed, limit)
-                if not isinstance(started, _Lookup):
-                    return started
-                lk = started
-            else:
-                first = num_computed // self.ct
-                wanted = keys[: -(-limit // self.ct)]
-                hit = self.store.lookup_indexed(wanted[first:])
-                announced, ann_tail = self._announced(request, keys, limit)
-
-                def missing() -> bool:  # announced by the prefill node, not visible here yet
-                    return announced > first + hit.hits or (
-                        ann_tail is not None and not self.store.lookup_indexed([ann_tail]).hits)
-
-                beyond = wanted[first + hit.hits :]
-                if ann_tail is not None:  # the announced chain: its chunks, then its tail
-                    beyond = wanted[first + hit.hits : announced]
-                    if not self.store.lookup_indexed([ann_tail]).hits:
-                        beyond.append(ann_tail)
-                if self._probing(rid, beyond, missing()):
-                    return None, False
-                if beyond:
-                    hit = self.store.lookup_indexed(wanted[first:])  # what a probe found
-                if missing() and self.store.shared_up(every=False) and self._keep_waiting(rid):
-                    return None, False  # (no shared tier can answer: stop waiting now)
-                waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
-                t0 = time.perf_counter() - waited
-                tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
-                if hit.hits == 0 and tail is None:
-                    return 0, False
-                own, bad = _request_threshold(_request_params(request))
-                if bad and not self._bad_threshold_logged:
-                    self._bad_threshold_logged = True
-                    log.warning("kvtier: ignoring kv_transfer_params.kvtier."
-                                "recompute_threshold_tokens (not a non-negative integer)")
-                tiers, lim = list(hit.tiers), limit
-                if tail is not None:  # an entry of its own, ending the restore where it ends
-                    tiers.append(tail.tier)
-                    lim = min(limit, tail.chunk * self.ct + tail.blocks * self.bs)
-                d = self.policy.chunks_to_restore(
-                    num_computed, self.ct, self.slot_bytes,
-                    [self.store.tiers[i].name for i in tiers], limit_tokens=lim,
-                    fixed_tokens=own,
-                )
-                log.debug("kvtier: %s: %s", rid, d)
-                self._decisions[rid] = d
-                if d.chunks == 0:
-                    return 0, False
-                staged = self._staged_chunks()
-                if staged and staged + d.chunks > self._staged_cap:
-                    return None, False  # staged KV is waiting for admission: ask again
-                full = min(d.chunks, hit.hits)
-                found, specs = hit.head(full), [self._spec(ns)] * full
-                tail_blocks = 0
-                if tail is not None and d.chunks > hit.hits:
-                    found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
-                    specs.append(self._tail_spec(ns, tail.blocks))
-                    tail_blocks = tail.blocks
-                lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
-                             t0=t0, threshold=own, progress=LoadProgress(self.clock),
-                             chunks=d.chunks)
-                lk.future = self.store.load(found, specs, lk.progress)
+            start = self._window_start if self.geom.window else self._chunk_start
+            started = start(request, ns, keys, num_computed, limit)
+            if not isinstance(started, _Lookup):
+                return started
+            lk = started
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
