@@ -186,6 +186,18 @@ def window_key(end: ChunkKey, part: int, parts: int) -> ChunkKey:
                        parts.to_bytes(4, "little")))
 
 
+GROUP = b"kvtier-group"
+
+
+def group_key(key: ChunkKey, group: int) -> ChunkKey:
+    """The key of KV-cache group ``group``'s part of the piece keyed ``key``, in a hybrid
+    model (vLLM's hybrid KV-cache manager: each group has its own blocks and is stored as
+    objects of its own; ``kvtier.vllm.hybrid``)."""
+    if group < 0:
+        raise ValueError(f"KV-cache group {group} is negative")
+    return ChunkKey(_h(bytes(key), GROUP, group.to_bytes(4, "little")))
+
+
 def key_from_hex(text: str) -> ChunkKey:
     """Parse a hex key, rejecting anything that is not exactly 32 hex digits."""
     if len(text) != 2 * KEY_BYTES or any(c not in "0123456789abcdef" for c in text):

@@ -67,6 +67,11 @@ from kvtier.tiers.host import HostTier
 log = logging.getLogger("kvtier.store")
 
 HOST = 0  # tier index of the host tier in every Lookup
+#: A read that finds another thread filling the host slot of its key re-checks its own
+#: cancellation this often while it waits for that fill (``TieredStore._promote_one``).
+SETTLE_SLICE_S = 0.05
+#: ... and, for a read nobody can cancel (tools), gives up after this long.
+SETTLE_MAX_S = 30.0
 
 #: Probes waiting for a probe thread before ``probe`` refuses more.
 PROBE_QUEUE = 64
@@ -715,7 +720,7 @@ class TieredStore:
                 if progress is not None and progress.cancelled:
                     break  # the caller gave up: read no more
                 got = (self._hold_host(key, expect) if tier == HOST
-                       else self._promote_one(key, tier, expect))
+                       else self._promote_one(key, tier, expect, progress))
                 while got is None and (below := self._indexed_below(key, tier)) is not None:
                     tier = below  # lost where the lookup saw it: the next tier down
                     got = self._promote_one(key, tier, expect)
@@ -730,16 +735,30 @@ class TieredStore:
         return held
 
     def _promote_one(
-        self, key: ChunkKey, tier_index: int, expect: ChunkSpec | None
+        self, key: ChunkKey, tier_index: int, expect: ChunkSpec | None,
+        progress: LoadProgress | None = None,
     ) -> _Hit | None:
         """Read ``key`` from tier ``tier_index`` (where the lookup found it) into a host
         slot and hold it: ``((slot, meta), tier it came from)``, or ``None`` if it cannot
-        be had now (gone, bad, or the tier is down)."""
+        be had now (gone, bad, or the tier is down).
+
+        A key another thread is filling now (another request's restore of a shared
+        prefix, or a save) is waited for, in slices of ``SETTLE_SLICE_S``, until that
+        fill ends or ``progress`` is cancelled (the scheduler gave this load up), then
+        held; if the fill failed, it is read here."""
         tier = self.lower[tier_index - 1].tier
         t0 = time.perf_counter()
         r = self.host.reserve(key)
-        if r is None:  # promoted (or being written) meanwhile by someone else
-            return self._hold_host(key, expect)
+        while r is None:  # promoted (or being written) meanwhile by someone else
+            got = self._hold_host(key, expect)
+            if got is not None or not self.host.index.pending(key):
+                return got
+            while not self.host.wait_settled(key, SETTLE_SLICE_S):
+                if progress is not None and progress.cancelled:
+                    return None
+                if progress is None and time.perf_counter() - t0 > SETTLE_MAX_S:
+                    return None
+            r = self.host.reserve(key)
         nbytes = expect.payload_len if expect is not None else self.host.slot_bytes
         try:
             with self._call(tier, read=True, nbytes=nbytes):

@@ -434,3 +434,57 @@ def test_load_of_a_head_holds_only_that_many(through: TieredStore) -> None:
     held.release()
     through.flush()  # the write-through jobs hold their slots until written
     drain_host(through.host)
+
+
+class _GatedFile(FileTier):
+    """A file tier whose reads block until ``gate`` is set (``reading`` says one has
+    started)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 1 << 30, clock=ManualClock())
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def get_into(self, key: ChunkKey, dst: Any, expect: ChunkSpec | None = None) -> Any:
+        self.reading.set()
+        assert self.gate.wait(30)
+        return super().get_into(key, dst, expect=expect)
+
+
+def test_concurrent_restores_of_one_prefix_share_a_read_in_flight(tmp_path: Path) -> None:
+    """Two requests on one prefix return together: the second one's read finds the first
+    one filling the host slot of a shared chunk. It waits for that fill and holds the
+    chunk, instead of ending its prefix there (a restore lost to a race)."""
+    file = _GatedFile(tmp_path / "file")
+    store = TieredStore(HostTier(8 * PAYLOAD, PAYLOAD), [LowerTier(file, WritePolicy.THROUGH)],
+                        IOPool(2, 64))
+    try:
+        keys = [make_key(i) for i in range(3)]
+        file.gate.set()
+        for k in keys:
+            assert store.put(meta_for(k), payload_for(k))
+        store.flush()
+        store.drop_host()
+        file.gate.clear()
+        waiting = threading.Event()
+        settle = store.host.wait_settled
+
+        def observed(key: ChunkKey, timeout: float) -> bool:
+            waiting.set()
+            return settle(key, timeout)
+
+        store.host.wait_settled = observed  # type: ignore[method-assign]
+        first = store.load(store.lookup(keys))
+        assert file.reading.wait(30)  # the first read is filling chunk 0's slot
+        second = store.load(store.lookup(keys))
+        assert waiting.wait(30)  # the second waits for that fill instead of giving up
+        file.gate.set()
+        a, b = first.result(timeout=30), second.result(timeout=30)
+        try:
+            assert len(a.slots) == len(b.slots) == 3
+            for j, key in enumerate(keys):
+                np.testing.assert_array_equal(b.view(j), payload_for(key))
+        finally:
+            a.release()
+            b.release()
+    finally:
+        store.close()

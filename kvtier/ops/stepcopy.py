@@ -137,6 +137,9 @@ class StepCopier:
     issue: Issue
     tp_rank: int = 0
     tp_world: int = 1
+    #: bytes from one pool slot to the next; 0: ``tp_world * slot_bytes`` (a hybrid
+    #: model's smaller group uses the front of slots sized for its largest group)
+    stride: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -155,7 +158,7 @@ class StepCopier:
 
     def slot(self, slot: int, span: int = 0) -> torch.Tensor:
         """This rank's bytes of ``slot`` holding ``span`` blocks (0: a whole chunk)."""
-        whole = self.slot_bytes * self.tp_world
+        whole = self.stride or self.slot_bytes * self.tp_world
         if not 0 <= slot < self.pool.numel() // whole:
             raise IndexError(f"host slot {slot} is outside the pool")
         part = self.slot_bytes * (span or self.blocks_per_chunk) // self.blocks_per_chunk
@@ -274,6 +277,10 @@ class LayerLoads:
     def block_ids(self) -> set[int]:
         """Every block this step loads into (each layer of each)."""
         return {b for op in self._ops for b in op.block_ids}
+
+    def failed_ops(self) -> list[ChunkCopy]:
+        """The ops whose copies failed (all of each op is then unusable)."""
+        return [op for op, bad in zip(self._ops, self._failed, strict=True) if bad]
 
     def failed_blocks(self) -> set[int]:
         return {b for op, bad in zip(self._ops, self._failed, strict=True) if bad

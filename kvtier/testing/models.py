@@ -55,7 +55,7 @@ CHAT_TEMPLATE: Final = (
 )
 
 _DTYPES: Final = ("float32", "bfloat16", "float16")
-_ARCHES: Final = ("llama", "deepseek_v2", "mistral")
+_ARCHES: Final = ("llama", "deepseek_v2", "mistral", "gemma2")
 
 #: DeepSeek-V2's MLA sizes: the latent (``kv_lora_rank``) and the decoupled RoPE key.
 MLA_KV_LORA_RANK: Final = 512
@@ -81,8 +81,10 @@ class TinyLlamaSpec:
     #: (a 576-wide latent KV per token and layer, one "head"; vLLM's CPU MLA backend
     #: accepts only that width), for the MLA tests
     arch: str = "llama"
-    #: ``arch="mistral"`` only: every layer attends to the last ``sliding_window`` tokens
-    #: (vLLM keeps one ``SlidingWindowSpec`` KV-cache group), for the sliding-window tests
+    #: ``arch="mistral"``: every layer attends to the last ``sliding_window`` tokens
+    #: (vLLM keeps one ``SlidingWindowSpec`` KV-cache group), for the sliding-window
+    #: tests; ``arch="gemma2"``: every other layer does (from layer 0; the others are full
+    #: attention, so vLLM's hybrid KV-cache manager keeps one group of each)
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -97,8 +99,9 @@ class TinyLlamaSpec:
             raise ValueError(f"vocab must be at least 300 (256 bytes + specials), got {self.vocab}")
         if self.arch not in _ARCHES:
             raise ValueError(f"arch must be one of {_ARCHES}, got {self.arch!r}")
-        if (self.sliding_window is not None) != (self.arch == "mistral"):
-            raise ValueError("sliding_window is set exactly when arch is 'mistral'")
+        if (self.sliding_window is not None) != (self.arch in ("mistral", "gemma2")):
+            raise ValueError("sliding_window is set exactly when arch is 'mistral' or "
+                             "'gemma2'")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise ValueError(f"sliding_window must be >= 2, got {self.sliding_window}")
         if self.head_dim is not None and self.head_dim not in CPU_ATTN_HEAD_SIZES:
@@ -215,6 +218,19 @@ def build_tiny_mistral(
     every layer attending to the last ``sliding_window`` tokens."""
     return build_from_spec(path, TinyLlamaSpec(dtype=dtype, layers=layers, seed=seed,
                                                arch="mistral",
+                                               sliding_window=sliding_window))
+
+
+def build_tiny_gemma2(
+    path: str | os.PathLike[str], *, sliding_window: int, dtype: str = "float32",
+    layers: int = 2, seed: int = 0,
+) -> Path:
+    """Build (or reuse) a random-weight Gemma-2 at ``path``: the tiny Llama's sizes, with
+    layers 0, 2, 4, ... attending to the last ``sliding_window`` tokens and the others to
+    all of them (a hybrid model: vLLM's hybrid KV-cache manager keeps a full-attention
+    and a sliding-window group), and Gemma-2's logit soft-capping."""
+    return build_from_spec(path, TinyLlamaSpec(dtype=dtype, layers=layers, seed=seed,
+                                               arch="gemma2",
                                                sliding_window=sliding_window))
 
 
@@ -344,8 +360,23 @@ def _mistral_config(spec: TinyLlamaSpec) -> Any:
                          architectures=["MistralForCausalLM"])
 
 
+def _gemma2_config(spec: TinyLlamaSpec) -> Any:
+    from transformers import Gemma2Config
+
+    fields = _llama_fields(spec)
+    fields["pad_token_id"] = 0
+    fields["tie_word_embeddings"] = True  # Gemma has no lm_head of its own
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                   for i in range(spec.layers)]
+    return Gemma2Config(**fields, sliding_window=spec.sliding_window,
+                        layer_types=layer_types, query_pre_attn_scalar=spec.resolved_head_dim,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        hidden_activation="gelu_pytorch_tanh",
+                        architectures=["Gemma2ForCausalLM"])
+
+
 _CONFIGS = {"llama": _llama_config, "deepseek_v2": _deepseek_v2_config,
-            "mistral": _mistral_config}
+            "mistral": _mistral_config, "gemma2": _gemma2_config}
 
 
 def _write_model(out: Path, spec: TinyLlamaSpec) -> None:

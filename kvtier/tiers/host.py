@@ -113,6 +113,11 @@ class HostTier:
     def abort(self, slot: int) -> None:
         self.index.abort(slot)
 
+    def wait_settled(self, key: ChunkKey, timeout: float) -> bool:
+        """``SlotIndex.wait_settled``: wait (IO threads only) until nobody is filling
+        ``key``'s slot."""
+        return self.index.wait_settled(key, timeout)
+
     def hold(
         self, key: ChunkKey, expect: ChunkSpec | None = None
     ) -> tuple[int, ChunkMeta] | None:

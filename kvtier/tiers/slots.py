@@ -106,6 +106,8 @@ class SlotIndex:
         self._policy = policy
         self._clock = clock  # dirty ages only (take_dirty(older_than=...))
         self._lock = threading.Lock()
+        #: notified whenever a key stops being written (its slot committed or aborted)
+        self._settled = threading.Condition(self._lock)
 
     @property
     def num_slots(self) -> int:
@@ -159,7 +161,16 @@ class SlotIndex:
             self._pending[key] = n
         else:
             del self._pending[key]
+            self._settled.notify_all()
         self._writing -= 1
+
+    def wait_settled(self, key: ChunkKey, timeout: float) -> bool:
+        """Block until ``key`` has no WRITING slot (its writer committed or aborted), at
+        most ``timeout`` seconds; True if it has none by then. For IO threads: a read
+        that finds another thread filling the slot it wants waits for that fill instead
+        of giving up the chunk."""
+        with self._settled:
+            return self._settled.wait_for(lambda: key not in self._pending, timeout)
 
     def commit(self, slot: int, meta: ChunkMeta, *, dirty: bool) -> bool:
         """Publish a WRITING slot as ``meta``'s chunk; True if it was published. False if

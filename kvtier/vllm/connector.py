@@ -41,6 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvtier.metrics import drain_export, enable_export, record_worker_step
@@ -104,7 +106,12 @@ def _tp_barrier() -> Any:
     return get_tp_group().barrier
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on with kvtier
+    loaded. A hybrid model (full and sliding-window groups) is stored per group
+    (``kvtier/vllm/hybrid.py``); a model whose groups kvtier cannot store (Mamba state,
+    chunked-local attention) is refused at start, naming the model and the group."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
@@ -114,7 +121,8 @@ class KVTierConnector(KVConnectorBase_V1):
         cfg = settings.config
         check_parallel_config(vllm_config.parallel_config)
         self._tp_rank, tp_world = tp_placement(vllm_config)
-        geometry = geometry_from_kv_cache_config(kv_cache_config, tp_world)
+        geometry = geometry_from_kv_cache_config(
+            kv_cache_config, tp_world, model=str(vllm_config.model_config.model))
         geometry.blocks_per_chunk(cfg.chunk_tokens)  # fail early on a bad chunk size
         check_kv_scales_config(vllm_config.cache_config)
         self._engine_id = str(self._kv_transfer_config.engine_id)
@@ -133,8 +141,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
         else:
-            layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            self._worker = WorkerSide(cfg, geometry, layers, path)
+            groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+            self._worker = WorkerSide(cfg, geometry, groups, path)
 
     # -- scheduler side ------------------------------------------------------------------
     @property
@@ -162,12 +170,20 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side.on_worker_output(
             connector_output.finished_sending, connector_output.kv_connector_worker_meta,
             failed_load_blocks=len(connector_output.invalid_block_ids or ()),
+            failed_loads=set(getattr(connector_output, "failed_recving", None) or ()),
         )
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
+        same as ``request_finished``)."""
+        return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_saves()
@@ -187,6 +203,13 @@ class KVTierConnector(KVConnectorBase_V1):
         w = self.worker_side
         ctx = self._vllm_config.compilation_config.static_forward_context
         backend_cls = ctx[w.layer_names[0]].get_attn_backend()
+        others = {type(b).__name__ if not isinstance(b, type) else b.__name__
+                  for b in (ctx[n].get_attn_backend() for n in w.layer_names)
+                  if b is not backend_cls}
+        if others:  # one layout for every layer: the slots and the namespace assume it
+            raise TierError(f"kvtier: the KV layers use several attention backends "
+                            f"({backend_cls.__name__}, {', '.join(sorted(others))}); "
+                            "run this model without kvtier")
         name = getattr(self._kv_cache_config, "kv_cache_layout", None)
         layout = KVCacheLayout[name] if name else None
         num_blocks = int(self._kv_cache_config.num_blocks)
@@ -233,6 +256,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Saves finished, asynchronous loads received, and those of them that failed
+        (vLLM then recomputes the request: with several KV-cache groups a block-level
+        load error cannot be mapped back to a request)."""
+        sending, recving = self.worker_side.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.load_failures())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # counted by the scheduler side, from vLLM's union over every rank's errors

@@ -53,6 +53,15 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
+class GroupShape:
+    """One KV-cache group of a hybrid model: its layer count and what it keeps of a
+    request (``window`` tokens; 0: everything, full attention)."""
+
+    layers: int
+    window: int = 0
+
+
+@dataclass(frozen=True)
 class Geometry:
     num_layers: int
     num_kv_heads: int
@@ -74,12 +83,34 @@ class Geometry:
     #: ``extra_retained_tokens``) and has swapped every block wholly before them for its
     #: null block; 0 for full attention and MLA
     window: int = 0
+    #: a hybrid model's KV-cache groups (vLLM's hybrid KV-cache manager: each group has
+    #: its own block table; ``kvtier/vllm/hybrid.py``), in vLLM's group order; empty for
+    #: a single group. ``num_layers`` is then the largest group's (a host slot's size)
+    groups: tuple[GroupShape, ...] = ()
+    #: digest of which layers are in which group (hybrid only; part of the namespace)
+    group_layers: str = ""
 
     @property
     def window_blocks(self) -> int:
         """Blocks a hit ending on a block boundary needs (vLLM's null block pads those
         before them): ``cdiv(window - 1, block_size)``, 0 without a window."""
-        return -(-(self.window - 1) // self.block_size) if self.window else 0
+        return self.blocks_for_window(self.window)
+
+    def blocks_for_window(self, window: int) -> int:
+        """``cdiv(window - 1, block_size)``: the blocks before a hit that a ``window``
+        -token sliding window reads; 0 for full attention (``window`` 0)."""
+        return -(-(window - 1) // self.block_size) if window else 0
+
+    @property
+    def attention(self) -> str:
+        """What of a request's KV is kept, for the namespace: "" (full attention, one
+        group), ``sliding_window:W``, or a hybrid model's groups (each group's kind and
+        layer count, and the digest of its layers' names)."""
+        if self.groups:
+            kinds = ",".join(f"{f'sliding_window:{g.window}' if g.window else 'full'}"
+                             f"x{g.layers}" for g in self.groups)
+            return f"hybrid:{kinds};layers={self.group_layers}"
+        return f"sliding_window:{self.window}" if self.window else ""
 
     @property
     def slot_ranks(self) -> int:
@@ -95,8 +126,13 @@ class Geometry:
         return chunk_tokens // self.block_size
 
     def rank_chunk_bytes(self, chunk_tokens: int) -> int:
-        """One TP rank's part of a chunk: what one worker copies."""
+        """One TP rank's part of a chunk: what one worker copies (of a hybrid model, the
+        largest group's part: a host slot holds one group's chunk)."""
         return self.num_layers * self.page_bytes * self.blocks_per_chunk(chunk_tokens)
+
+    def group_layer_count(self, group: int) -> int:
+        """Layers of KV-cache group ``group`` (every layer with one group)."""
+        return self.groups[group].layers if self.groups else self.num_layers
 
     def chunk_bytes(self, chunk_tokens: int) -> int:
         """A whole chunk, every rank's part: a host slot, one object in every tier."""
@@ -117,7 +153,8 @@ class PhysicalKV:
     kv_scales: str
 
 
-def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Geometry:
+def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1,
+                                  model: str = "this model") -> Geometry:
     """The geometry of a single-group ``KVCacheConfig`` of full attention (this rank's
     heads; ``tp_world`` ranks of them make a chunk), dense MLA (one latent per token,
     the same on every rank: ``replicated``) or sliding-window attention in every layer
@@ -126,14 +163,11 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
     which blocks of these layers hold a prefix; for other specs (chunked-local attention,
     Mamba state) it would store or restore the wrong bytes."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise TierError(
-            f"kvtier supports models with one KV cache group (full attention); this model "
-            f"has {len(groups)} ({', '.join(kinds)}). vLLM's hybrid KV cache manager is "
-            "off with kvtier loaded, so this is a model whose layers cannot share one "
-            "group (e.g. Mamba/linear attention layers); run it without kvtier"
-        )
+    if not groups:
+        raise TierError(f"kvtier: {model} keeps no KV cache (attention-free); run it "
+                        "without kvtier")
+    if len(groups) > 1:
+        return _hybrid_geometry(groups, tp_world, model)
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
     window = 0
@@ -158,6 +192,63 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1) -> Ge
         head_size_v=_head_size_v(spec),
         window=window,
     )
+
+
+def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geometry:
+    """A hybrid model's geometry: every group full or sliding-window attention, with one
+    block size and one page shape (what vLLM's hybrid manager makes of Gemma-2/3, gpt-oss,
+    Cohere2, Mistral-style interleaved windows). Anything else is refused, naming the
+    model and the group kind: Mamba/linear-attention state, chunked-local attention and
+    MLA groups are stored per request, not per prefix block, or laid out otherwise."""
+    shapes: list[GroupShape] = []
+    first = groups[0].kv_cache_spec
+    names = hashlib.blake2b(digest_size=8)
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            raise TierError(
+                f"kvtier cannot store the KV of {model}: its KV-cache group {i} is {kind} "
+                f"({_HYBRID_WHY.get(kind, 'a kind of state kvtier does not know the blocks of')}"
+                "). kvtier stores hybrid models whose groups are full and sliding-window "
+                "attention. Run this model without kvtier"
+            )
+        for attr in ("block_size", "page_size_bytes", "num_kv_heads", "head_size", "dtype"):
+            if getattr(spec, attr) != getattr(first, attr):
+                raise TierError(
+                    f"kvtier cannot store the KV of {model}: its KV-cache groups differ in "
+                    f"{attr} ({getattr(first, attr)} vs {getattr(spec, attr)} in group "
+                    f"{i}); run it without kvtier"
+                )
+        if _head_size_v(spec) != _head_size_v(first):
+            raise TierError(f"kvtier cannot store the KV of {model}: its KV-cache groups "
+                            "differ in V's head size; run it without kvtier")
+        window = 0
+        if kind == "SlidingWindowSpec":
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+        shapes.append(GroupShape(len(g.layer_names), window))
+        _part(names, "|".join(g.layer_names).encode())
+    return Geometry(
+        num_layers=max(s.layers for s in shapes),
+        num_kv_heads=int(first.num_kv_heads),
+        head_size=int(first.head_size),
+        block_size=int(first.block_size),
+        page_bytes=int(first.page_size_bytes),
+        kv_dtype=str(first.dtype).removeprefix("torch."),
+        tp_world=tp_world,
+        head_size_v=_head_size_v(first),
+        groups=tuple(shapes),
+        group_layers=names.hexdigest(),
+    )
+
+
+_HYBRID_WHY = {
+    "MambaSpec": "Mamba/linear-attention state: one state per request, not a KV block per "
+                 "prefix position",
+    "ChunkedLocalAttentionSpec": "chunked-local attention: blocks outside the current "
+                                 "attention chunk are vLLM's null block",
+    "MLAAttentionSpec": "MLA in a hybrid model",
+}
 
 
 def _head_size_v(spec: Any) -> int | None:
@@ -459,5 +550,5 @@ def namespace_for(
         quantization="" if quant is None else str(quant),
         revision=resolve_revision(mc, load_config)[0],
         model_dtype="" if dtype is None else str(dtype).removeprefix("torch."),
-        attention=f"sliding_window:{geometry.window}" if geometry.window else "",
+        attention=geometry.attention,
     )

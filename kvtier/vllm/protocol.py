@@ -5,7 +5,12 @@ A ``CopyOp`` moves the blocks of one chunk: ``block_ids[i]`` is chunk block
 ``first + i``; its bytes are in host slot ``slot`` (kvtier's chunk layout,
 ``kvtier/ops/layout.py``). ``span`` is 0 for a whole chunk, or the block count of a
 partial tail (a chunk's first ``span`` blocks, packed at the slot's start:
-``kvtier.ops.stepcopy.StepCopier``).
+``kvtier.ops.stepcopy.StepCopier``). ``group`` is the KV-cache group whose layers and
+block table the op copies (a hybrid model's; 0 otherwise).
+
+A hybrid model's loads are asynchronous (``KVTierMetadata.async_loads``): vLLM holds the
+requests in ``WAITING_FOR_REMOTE_KVS`` until the worker reports each one received (or
+failed: vLLM cannot map a block-level error to a request when there are several groups).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class CopyOp:
     block_ids: list[int]
     first: int = 0
     span: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -32,6 +38,8 @@ class KVTierMetadata(KVConnectorMetadata):
     step: int = 0
     loads: list[CopyOp] = field(default_factory=list)  # host slot -> KV cache, this step
     saves: list[CopyOp] = field(default_factory=list)  # KV cache -> host slot, this step
+    #: the loads are of requests vLLM holds until the worker reports them received
+    async_loads: bool = False
 
 
 @dataclass

@@ -49,13 +49,14 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
 from kvtier.costmodel import Decision
 from kvtier.flusher import IdleFlusher
-from kvtier.keys import ChunkKey, Namespace, chunk_keys, tail_key, window_key
+from kvtier.keys import ChunkKey, Namespace, chunk_keys, group_key, tail_key, window_key
 from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Held, LoadProgress, Lookup, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.hybrid import Piece, full_groups, prefix_pieces, saveable_groups
 from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIdentity, Unsupported
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_host_pool
@@ -116,6 +117,7 @@ class _Piece:
     meta: ChunkMeta
     block_ids: list[int]
     span: int = 0
+    group: int = 0  # a hybrid model's KV-cache group
 
 
 @dataclass
@@ -139,6 +141,8 @@ class _Lookup:
     #: block, blocks) are the window's parts, staged in this order (``window.py``)
     end: int = 0
     parts: list[tuple[int, int]] = field(default_factory=list)
+    #: a hybrid model's restore: it ends at token ``end``; these are staged, in order
+    pieces: list[Piece] = field(default_factory=list)
 
 
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
@@ -220,6 +224,8 @@ class SchedulerSide:
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
+        #: req -> blocks its asynchronous load copies (a hybrid model's), until finished
+        self._async_blocks: dict[str, int] = {}
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
         #: a load that read no chunk for this long is abandoned (the request recomputes)
@@ -483,6 +489,180 @@ class SchedulerSide:
                                           list(block_ids[a:b]), a - first,
                                           n if n < self.bpc else 0))
 
+    # -- hybrid models (``hybrid.py``) ------------------------------------------------------
+    def _group_spec(self, ns: bytes, group: int, blocks: int) -> ChunkSpec:
+        """What a hybrid model's piece of group ``group`` and ``blocks`` blocks must be:
+        every rank's first ``blocks`` blocks of that group's layers, packed."""
+        layers = self.geom.group_layer_count(group)
+        shape: tuple[int, ...] = (layers, blocks, self.geom.page_bytes)
+        if self.geom.slot_ranks > 1:
+            shape = (self.geom.slot_ranks, *shape)
+        return ChunkSpec(ns, blocks * self.bs, self.geom.kv_dtype, shape,
+                         self.geom.slot_ranks * layers * blocks * self.geom.page_bytes)
+
+    def _hybrid_pieces(self, request: Any, keys: Sequence[ChunkKey], end: int,
+                       lo_block: int) -> list[Piece]:
+        """The pieces of the prefix of ``end`` tokens that hold blocks past ``lo_block``
+        (vLLM's own hit), in chain order."""
+        n, rest = divmod(end, self.ct)
+        tail = (rest // self.bs, self._tail_key(request, keys, n, rest // self.bs)) if rest \
+            else None
+        pieces = prefix_pieces(self.geom, self.bpc, keys[:n], tail,
+                               start_chunk=lo_block // self.bpc)
+        return [p for p in pieces if p.first + p.blocks > lo_block]
+
+    def _hybrid_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
+                      num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+        """Start staging the longest stored prefix of a hybrid model's request past
+        vLLM's own hit: every full-attention group's chunks (and tail) from that hit on,
+        and every sliding-window group's window at its end (``hybrid.py``). Ends are
+        tried as ``_find_window`` does. Memory only; lower tiers are not probed (a prefix
+        another node stored is found once the index has it)."""
+        lo = num_computed // self.bs
+        c0 = num_computed // self.ct
+        full = full_groups(self.geom)
+        top = min(limit // self.ct, len(keys))
+        if full:  # chunks from c0 on that every full group holds
+            flat = [group_key(keys[c], g) for c in range(c0, top) for g in full]
+            top = c0 + self.store.lookup_indexed(flat).hits // len(full)
+        tail_chunks = WINDOW_TAIL_CHUNKS if self.tails else 0
+        found: tuple[int, list[Piece], Lookup] | None = None
+        for n in range(top, -1, -1):
+            ends = []
+            if tail_chunks > 0:
+                tail_chunks -= 1
+                ends += [n * self.ct + k * self.bs for k in range(self.bpc - 1, 0, -1)]
+            if n:
+                ends.append(n * self.ct)
+            for end in ends:
+                if end > limit or end > request.num_tokens:
+                    continue
+                if end <= num_computed:
+                    break
+                pieces = self._hybrid_pieces(request, keys, end, lo)
+                hit = self.store.lookup_indexed([p.key for p in pieces])
+                if pieces and hit.hits == len(pieces):
+                    found = (end, pieces, hit)
+                    break
+            if found is not None or (n * self.ct <= num_computed):
+                break
+        if found is None:
+            return 0, False
+        end, pieces, hit = found
+        own = self._own_threshold(request)
+        fixed = own if own is not None else self.policy.fixed_tokens
+        if end - num_computed < max(1, fixed or 1):
+            return 0, False
+        staged = self._staged_chunks()
+        if staged and staged + len(pieces) > self._staged_cap:
+            return None, False
+        lk = _Lookup(keys, c0, threshold=own, progress=LoadProgress(self.clock),
+                     chunks=len(pieces), end=end, pieces=pieces)
+        lk.future = self.store.load(
+            hit, [self._group_spec(ns, p.group, p.blocks) for p in pieces], lk.progress)
+        return lk
+
+    def _hybrid_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[Sequence[int]],
+                      num_external: int) -> None:
+        """Copy ops for a staged hybrid prefix: each piece's blocks past vLLM's own hit,
+        into its group's blocks. The loads are asynchronous: vLLM holds the request until
+        the worker reports them received, or failed (then it recomputes)."""
+        assert lk.held is not None
+        lo = lk.start_tokens // self.bs
+        hi = (lk.start_tokens + num_external) // self.bs
+        self._load_holds.append(lk.held)
+        if lk.start_tokens + num_external != lk.end:  # not the prefix that was staged
+            log.error("kvtier: %s: vLLM took %d tokens of a %d-token restore; failing the "
+                      "load", rid, num_external, lk.end - lk.start_tokens)
+            self._loads.append(CopyOp(rid, -1, [], 0, 0))  # reported failed: recomputed
+            return
+        nblocks = 0
+        # tokens by tier: a full group's chunk or tail names its blocks' tier; blocks no
+        # full group restores (a window-only model) count under the window's tier
+        first_full = next((p.group for p in lk.pieces if not self.geom.groups[p.group].window),
+                          None)
+        by_tier: dict[str, int] = {}
+        for idx, p in enumerate(lk.pieces):
+            a, b = max(lo, p.first), min(hi, p.first + p.blocks)
+            if a >= b:
+                continue
+            self._loads.append(CopyOp(rid, lk.held.slots[idx][0],
+                                      list(block_ids[p.group][a:b]), a - p.first,
+                                      p.span, p.group))
+            nblocks += b - a
+            if p.group == first_full or (first_full is None and p.group == lk.pieces[-1].group):
+                tier = self.store.tiers[lk.held.from_tier[idx]].name
+                by_tier[tier] = by_tier.get(tier, 0) + (b - a) * self.bs
+        if first_full is None:  # a window-only model: its window restores the whole prefix
+            tier = self.store.tiers[max(lk.held.from_tier)].name
+            by_tier = {tier: num_external}
+        self._async_blocks[rid] = nblocks
+        record_restore(by_tier)
+        staged_ms = (time.perf_counter() - lk.t0) * 1e3
+        self._restored[rid] = (by_tier, staged_ms)
+        log.info("kvtier: restoring %d tokens for %s from %d pieces of %d KV-cache groups "
+                 "(%s), staged in %.1f ms", num_external, rid, len(lk.pieces),
+                 len(self.geom.groups), ", ".join(f"{t} {n}" for t, n in by_tier.items()),
+                 staged_ms)
+
+    def request_finished_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any]]:
+        """``request_finished_all_groups``: one group goes to ``request_finished``; a
+        hybrid model saves the pieces of the prefix the request ends (``hybrid.py``)."""
+        if not self.geom.groups:
+            return self.request_finished(request, block_ids[0])
+        rid = request.request_id
+        self._forget(rid)
+        self._waiting.pop(rid, None)
+        self._probes.pop(rid, None)
+        self._async_blocks.pop(rid, None)
+        restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
+        seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
+        full = full_groups(self.geom)
+        held_blocks = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
+        n_blocks = min(request.num_computed_tokens // self.bs, held_blocks)
+        n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
+        if not self.tails:
+            tail_blocks = 0
+        try:
+            got = self._keys(request, n_chunks * self.ct)
+        except Unsupported:
+            got = PENDING
+        end = n_chunks * self.ct + tail_blocks * self.bs
+        if seen_epoch != self.identities.epoch or got is PENDING or not end or \
+                _request_params(request).get("save") is False:
+            self._key_cache.pop(rid, None)
+            ns = b"" if got is PENDING else got[0]
+            return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
+        ns, keys = got
+        pieces = self._hybrid_pieces(request, keys, end, 0)
+        windows = [p for p in pieces if self.geom.groups[p.group].window]
+        if not saveable_groups(self.geom, block_ids, windows):
+            # a window group freed the window's first block (the corner): the chunks are
+            # still worth keeping for longer prefixes; this end is not restorable
+            record_drop("window_freed")
+            pieces = [p for p in pieces if not self.geom.groups[p.group].window]
+            complete = False
+        else:
+            complete = True
+        if not saveable_groups(self.geom, block_ids, pieces):
+            log.error("kvtier: %s: a full-attention group's blocks are vLLM's null block; "
+                      "storing nothing", rid)
+            self._key_cache.pop(rid, None)
+            return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
+        saves = [_Piece(p.key, self._group_spec(ns, p.group, p.blocks).meta(p.key, p.parent),
+                        list(block_ids[p.group][p.first : p.first + p.blocks]), p.span,
+                        p.group) for p in pieces]
+        stored = self.store.lookup_indexed([p.key for p in saves]).hits
+        whole = sum(p.meta.payload_len for p in saves)
+        saved, held = self._save_pieces(rid, request, keys, saves[stored:], stored, stored,
+                                        supersede=False, baseline=whole)
+        self._key_cache.pop(rid, None)
+        tokens, last = (end, saves[-1].key) if complete and held == len(saves) else (0, None)
+        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms, saved,
+                                       whole)
+
     def _forget(self, req_id: str) -> None:
         lk = self._lookups.pop(req_id, None)
         if lk is None:
@@ -515,7 +695,8 @@ class SchedulerSide:
             if got is PENDING:
                 return None, False
             ns, keys = got
-            start = self._window_start if self.geom.window else self._chunk_start
+            start = (self._hybrid_start if self.geom.groups else
+                     self._window_start if self.geom.window else self._chunk_start)
             started = start(request, ns, keys, num_computed, limit)
             if not isinstance(started, _Lookup):
                 return started
@@ -545,8 +726,8 @@ class SchedulerSide:
         tokens = (lk.first_chunk + min(len(lk.held), lk.full)) * self.ct
         if len(lk.held) > lk.full:  # the tail was read too
             tokens += lk.tail_blocks * self.bs
-        if lk.parts:  # a window: all of it, or nothing
-            tokens = lk.end if len(lk.held) == len(lk.parts) else 0
+        if lk.parts or lk.pieces:  # a window or a hybrid prefix: all of it, or nothing
+            tokens = lk.end if len(lk.held) == len(lk.parts or lk.pieces) else 0
         tokens = min(tokens, limit)
         ext = tokens - num_computed
         # A fixed threshold applies to what was staged (a failed read shrinks it); under
@@ -556,7 +737,9 @@ class SchedulerSide:
             self._forget(rid)
             return 0, False
         lk.start_tokens = num_computed
-        return ext, False
+        # a hybrid model's loads are asynchronous: a failed one must be reported per
+        # request (vLLM cannot map block-level errors to requests across groups)
+        return ext, bool(self.geom.groups)
 
     def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool) -> bool:
         """Ask the lower tiers about ``beyond`` (the chunks past what the indexes know) on
@@ -661,6 +844,9 @@ class SchedulerSide:
             self._forget(rid)
             return
         del self._lookups[rid]
+        if lk.pieces:
+            self._hybrid_loads(rid, lk, blocks.get_block_ids(), num_external)
+            return
         block_ids = blocks.get_block_ids()[0]
         if lk.parts:
             self._window_loads(rid, lk, block_ids, num_external)
@@ -921,7 +1107,8 @@ class SchedulerSide:
                 self._supersede(request, keys, c, piece.span or self.bpc)
             saves.append((slot, piece.meta))
             nbytes += piece.meta.payload_len
-            self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span))
+            self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span,
+                                        piece.group))
             if announce == c and len(saves) <= room:
                 announce = c + 1
         record_spill(nbytes, baseline)
@@ -938,19 +1125,25 @@ class SchedulerSide:
             self.flusher.busy()
         if self.step_timer is not None and scheduler_output is not None:
             self.step_timer.built(self._step, scheduler_output, self._loads)
-        meta = KVTierMetadata(self._step, self._loads, self._to_save)
+        meta = KVTierMetadata(self._step, self._loads, self._to_save,
+                              async_loads=bool(self.geom.groups))
         if self._load_holds:
             self._holds_by_step[self._step] = self._load_holds
         self._loads, self._to_save, self._load_holds = [], [], []
         return meta
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any, *,
-                         failed_load_blocks: int = 0) -> None:
+                         failed_load_blocks: int = 0, failed_loads: set[str] | None = None,
+                         ) -> None:
         """A step's output, folded over every rank by vLLM: saves finished on every rank,
-        our worker metadata, and how many blocks failed to load on any rank (vLLM's union,
-        counted here once, not per rank)."""
+        our worker metadata, how many blocks failed to load on any rank (vLLM's union,
+        counted here once, not per rank), and the requests whose asynchronous loads
+        failed (a hybrid model's: vLLM recomputes them)."""
         if failed_load_blocks:
             record_failed_loads(failed_load_blocks)
+        for rid in failed_loads or ():
+            log.warning("kvtier: restore of %s failed; vLLM recomputes it", rid)
+            record_failed_loads(self._async_blocks.pop(rid, 0))
         if isinstance(worker_meta, KVTierWorkerMetadata):
             if self.step_timer is not None:
                 self.step_timer.done(worker_meta.step)

@@ -55,21 +55,27 @@ log = logging.getLogger("kvtier.vllm")
 
 class WorkerSide:
     def __init__(
-        self, cfg: KVTierConfig, geometry: Geometry, layer_names: list[str], pool_path: Any,
-        *, batches: Batches | None = None, issue: Issue | None = None,
+        self, cfg: KVTierConfig, geometry: Geometry, layer_names: list[str] | list[list[str]],
+        pool_path: Any, *, batches: Batches | None = None, issue: Issue | None = None,
     ) -> None:
-        """``batches`` replaces the copy backend's batches (tests: controllable handles);
-        ``issue`` how loads are issued (default ``default_issue``: per layer, all at
-        once, on CUDA; whole chunks on the CPU; see ``kvtier.ops.stepcopy``)."""
+        """``layer_names``: the KV layers, or a hybrid model's layers per KV-cache group
+        (vLLM's group order; a ``CopyOp``'s ``group`` indexes it). ``batches`` replaces
+        the copy backend's batches (tests: controllable handles); ``issue`` how loads are
+        issued (default ``default_issue``: per layer, all at once, on CUDA; whole chunks
+        on the CPU; see ``kvtier.ops.stepcopy``)."""
         self.cfg = cfg
         self.geom = geometry
-        self.layer_names = layer_names
+        groups: list[list[str]] = (
+            [list(g) for g in layer_names] if layer_names and isinstance(layer_names[0], list)
+            else [list(layer_names)])  # type: ignore[arg-type]
+        self.groups = groups
+        self.layer_names = [n for g in groups for n in g]
         self.pool_path = pool_path
         self.bpc = geometry.blocks_per_chunk(cfg.chunk_tokens)
         self.backend: CopyBackend = resolve_copy_backend(cfg.copy_backend)
         self._batches: Batches = batches if batches is not None else self.backend
         self._issue = issue
-        self.views: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []  # every layer's, in ``layer_names`` order
         self.layout: KVLayout | None = None  # as resolved by register()
         self.slot_bytes = 0  # a whole slot: every TP rank's part
         self.rank_bytes = 0  # this rank's part of a slot
@@ -77,15 +83,21 @@ class WorkerSide:
         self.host_pool: HostPool | None = None
         self._created = False  # this worker created the pool (and removes its name)
         self.pool: torch.Tensor | None = None
-        self._copier: StepCopier | None = None
-        self._layer_index = {name: i for i, name in enumerate(layer_names)}
-        # Loads: this step's (until wait_for_save), then copying until done (CUDA).
-        self._loads: LayerLoads | None = None
+        self._copiers: list[StepCopier] = []  # one per group
+        #: layer name -> (group, layer within the group)
+        self._layer_index = {name: (g, i) for g, names in enumerate(groups)
+                             for i, name in enumerate(names)}
+        # Loads: this step's per group (until wait_for_save), then copying until done.
+        self._loads: dict[int, LayerLoads] | None = None
         self._loads_step = 0
+        # Asynchronous loads (a hybrid model's): request -> its loads, until reported
+        self._recving: dict[str, list[tuple[LayerLoads, CopyOp]]] = {}
+        self._recv_failed: set[str] = set()  # failed, not reported received yet
+        self._failed_now: set[str] = set()  # failed, reported received by get_finished
         self._ran_step = 0  # the step run() last ran, until worker_meta reports it
         self._loading: list[tuple[int, LayerLoads]] = []
         self._load_errors: set[int] = set()
-        self._waited = [False] * len(layer_names)  # layers vLLM waited for this step
+        self._waited = [False] * len(self.layer_names)  # layers vLLM waited for this step
         self._per_layer_seen = False  # a forward waited for every layer: go layer-wise
         self._per_layer_broken = False  # a layer-wise step missed a wait: never again
         self._said_layer_wise = False
@@ -131,7 +143,8 @@ class WorkerSide:
         )
         self.layout = layout
         self.views = [layout.block_view(kv_caches[n]) for n in self.layer_names]
-        self.rank_bytes = layout.chunk_bytes(len(self.views), self.bpc)
+        group_bytes = [layout.chunk_bytes(len(g), self.bpc) for g in self.groups]
+        self.rank_bytes = max(group_bytes)
         expected = self.geom.rank_chunk_bytes(self.cfg.chunk_tokens)
         if self.rank_bytes != expected:
             raise TierError(
@@ -163,10 +176,18 @@ class WorkerSide:
         self.pool = torch.from_numpy(self.host_pool.array)
         pinned = self.host_pool.pinned
         issue = self._issue
-        if issue is None:
-            issue = default_issue(self.views[0].device, len(self.views))
-        self._copier = StepCopier(self._batches, self.views, self.pool, self.rank_bytes,
-                                  self.bpc, issue, tp_rank if parts > 1 else 0, parts)
+        at = 0
+        for names, nbytes in zip(self.groups, group_bytes, strict=True):
+            views = self.views[at : at + len(names)]
+            at += len(names)
+            group_issue = issue if issue is not None else default_issue(views[0].device,
+                                                                        len(views))
+            # one copier per KV-cache group: its layers, its part of every slot (a
+            # smaller group's chunk fills the front of a slot sized for the largest)
+            self._copiers.append(StepCopier(self._batches, views, self.pool, nbytes,
+                                            self.bpc, group_issue,
+                                            tp_rank if parts > 1 else 0, parts,
+                                            stride=self.slot_bytes))
         log.info(
             "kvtier worker: %d layers, %d slots of %.1f MiB (TP rank %d of %d), %s, copy "
             "backend %s (%s)",
@@ -176,8 +197,15 @@ class WorkerSide:
 
     @property
     def copier(self) -> StepCopier:
-        assert self._copier is not None, "register() first"
-        return self._copier
+        """The copier of the first (with one group, the only) KV-cache group."""
+        assert self._copiers, "register() first"
+        return self._copiers[0]
+
+    def _by_group(self, ops: list[CopyOp]) -> dict[int, list[CopyOp]]:
+        out: dict[int, list[CopyOp]] = {}
+        for op in ops:
+            out.setdefault(op.group, []).append(op)
+        return out
 
     # -- per step: vLLM's model thread ------------------------------------------------
     def run(self, meta: KVTierMetadata, *, layer_by_layer: bool) -> None:
@@ -186,39 +214,69 @@ class WorkerSide:
         Loads go layer by layer (``StepCopier``) when ``layer_by_layer`` (the forward
         runs attention eagerly, so vLLM will call ``wait_for_layer_load``) and this
         worker has seen a forward in which vLLM called it for every KV layer; otherwise
-        every load is ordered before the forward here.
+        every load is ordered before the forward here. Asynchronous loads
+        (``meta.async_loads``: their requests are not in this forward) are issued whole
+        and reported per request by ``get_finished`` once complete.
         """
         t0 = time.perf_counter()
         self._ran_step = meta.step
         if self._loads is not None:  # no wait_for_save since the last step: be safe
             self.end_forward()
-        loads = self.copier.start_loads(meta.loads)
-        if not loads.empty:
-            self._loads, self._loads_step = loads, meta.step
-            if not (layer_by_layer and self._per_layer_seen):
+        started: dict[int, LayerLoads] = {}
+        for group, ops in self._by_group(meta.loads).items():
+            try:
+                loads = self._copier_of(group).start_loads(ops)
+            except TierError:
+                log.exception("kvtier: loads of %s failed", sorted({o.req_id for o in ops}))
+                self._recv_failed.update(op.req_id for op in ops)
+                continue
+            if not loads.empty:
+                started[group] = loads
+            if meta.async_loads:
+                for op in ops:
+                    self._recving.setdefault(op.req_id, []).append((loads, op))
+        if meta.async_loads:
+            for loads in started.values():
                 loads.finish()
+                self._loading.append((meta.step, loads))
+        elif started:
+            self._loads, self._loads_step = started, meta.step
+            if not (layer_by_layer and self._per_layer_seen):
+                for loads in started.values():
+                    loads.finish()
             elif not self._said_layer_wise:
                 self._said_layer_wise = True
                 log.info("kvtier worker: loads are waited for layer by layer (issue %s, %d "
-                         "layers)", self.copier.issue, self.copier.num_layers)
+                         "layers)", self.copier.issue, len(self.layer_names))
         self._start_saves(meta.saves)
         self._copy_s += time.perf_counter() - t0
 
+    def _copier_of(self, group: int) -> StepCopier:
+        if not 0 <= group < len(self._copiers):
+            raise TierError(f"kvtier: a copy names KV-cache group {group} of "
+                            f"{len(self._copiers)}")
+        return self._copiers[group]
+
     def wait_for_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the layer's loaded blocks are in place before the
-        attention vLLM enqueues next. A name outside the KV cache group completes every
+        attention vLLM enqueues next. A name outside the KV cache groups completes every
         load (correct, not pipelined)."""
-        i = self._layer_index.get(layer_name)
-        if i is not None:
-            self._waited[i] = True
+        where = self._layer_index.get(layer_name)
+        if where is not None:
+            self._waited[self._flat(where)] = True
         if self._loads is None:
             return
         t0 = time.perf_counter()
-        if i is None:
-            self._loads.finish()
-        else:
-            self._loads.wait_layer(i)
+        if where is None:
+            for loads in self._loads.values():
+                loads.finish()
+        elif where[0] in self._loads:
+            self._loads[where[0]].wait_layer(where[1])
         self._copy_s += time.perf_counter() - t0
+
+    def _flat(self, where: tuple[int, int]) -> int:
+        """The index in ``layer_names`` of layer ``where[1]`` of group ``where[0]``."""
+        return sum(len(g) for g in self.groups[: where[0]]) + where[1]
 
     def end_forward(self) -> float:
         """``wait_for_save``: completes (orders) loads of layers no wait came for, and
@@ -226,22 +284,23 @@ class WorkerSide:
         t0 = time.perf_counter()
         seen_all = all(self._waited)
         if self._loads is not None:
-            skipped = self._loads.finish()
-            if skipped:
-                # The forward's attention for those layers ran before their KV was in
-                # place: every block loaded this step is reported as a load error, so
-                # vLLM recomputes it instead of keeping what was computed on it.
-                self._load_errors |= self._loads.block_ids()
-                if not self._per_layer_broken:
-                    self._per_layer_broken = True
-                    log.error(
-                        "kvtier: vLLM ran a forward without wait_for_layer_load for layers "
-                        "%s; their loads were completed after it and the step's loaded "
-                        "blocks are reported as load errors (recomputed). Loads now "
-                        "complete before the forward (not layer by layer)",
-                        [self.layer_names[j] for j in skipped])
-            self._load_errors |= self._loads.failed_blocks()
-            self._loading.append((self._loads_step, self._loads))
+            for group, loads in self._loads.items():
+                skipped = loads.finish()
+                if skipped:
+                    # The forward's attention for those layers ran before their KV was
+                    # in place: every block loaded this step is reported as a load error,
+                    # so vLLM recomputes it instead of keeping what was computed on it.
+                    self._load_errors |= loads.block_ids()
+                    if not self._per_layer_broken:
+                        self._per_layer_broken = True
+                        log.error(
+                            "kvtier: vLLM ran a forward without wait_for_layer_load for "
+                            "layers %s; their loads were completed after it and the step's "
+                            "loaded blocks are reported as load errors (recomputed). Loads "
+                            "now complete before the forward (not layer by layer)",
+                            [self.groups[group][j] for j in skipped])
+                self._load_errors |= loads.failed_blocks()
+                self._loading.append((self._loads_step, loads))
             self._loads = None
         self._per_layer_seen = (self._per_layer_seen or seen_all) and not self._per_layer_broken
         self._waited = [False] * len(self.layer_names)
@@ -253,7 +312,16 @@ class WorkerSide:
         if self.geom.replicated and self.tp_rank != 0:
             self._saved.update(op.req_id for op in ops)  # rank 0 writes the one copy
             return
-        for op, result in zip(ops, self.copier.start_saves(ops), strict=True):
+        results: dict[int, CopyHandle | SaveFailed] = {}
+        for group, group_ops in self._by_group(ops).items():
+            try:
+                copier = self._copier_of(group)
+                for op, result in zip(group_ops, copier.start_saves(group_ops), strict=True):
+                    results[id(op)] = result
+            except TierError as e:
+                results.update((id(op), SaveFailed(e)) for op in group_ops)
+        for op in ops:  # in the scheduler's order: a request's last op's handle last
+            result = results[id(op)]
             if isinstance(result, SaveFailed):
                 if op.req_id not in self._failed:
                     log.error("kvtier: save of %s failed; not stored: %s", op.req_id,
@@ -261,10 +329,16 @@ class WorkerSide:
                 self._failed.add(op.req_id)
                 self._saved.add(op.req_id)  # reported once the copies issued before are done
             else:
-                self._in_flight[op.req_id] = result  # covers its earlier ops (one stream)
+                # covers its earlier ops on this group; with several groups (one batch
+                # each) the request waits for every handle it was given
+                prev = self._in_flight.get(op.req_id)
+                self._in_flight[op.req_id] = (result if prev is None or prev is result
+                                              else _Both(prev, result))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Requests whose blocks vLLM may free now: finished, and their saves complete.
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks vLLM may free now (finished, and their saves complete),
+        and requests whose asynchronous loads are complete (received, or failed: those
+        are also in ``load_failures``).
 
         vLLM hands a finished request's id to the workers in the same step as the
         metadata carrying its saves (``Scheduler.schedule`` builds both from one
@@ -274,7 +348,7 @@ class WorkerSide:
         allocated until then (delayed free), and the scheduler commits the slot only when
         the id is reported here. A failed save is reported like a done one (its blocks are
         free to go), in the same step as its id in ``worker_meta().failed_saves``, so the
-        scheduler aborts it. State held: only saves not yet reported.
+        scheduler aborts it. State held: only saves and loads not yet reported.
         """
         self._finished |= finished_req_ids & self._in_flight.keys()
         for rid, handle in list(self._in_flight.items()):
@@ -286,7 +360,22 @@ class WorkerSide:
         self._finished -= ready
         self._failed_saves |= ready & self._failed
         self._failed -= ready
-        return (ready or None), None
+        received = {rid for rid, loads in self._recving.items()
+                    if all(ld.done() for ld, _ in loads)}
+        for rid in received:
+            loads = self._recving.pop(rid)
+            if any(any(f is op for f in ld.failed_ops()) for ld, op in loads):
+                self._recv_failed.add(rid)
+        received |= self._recv_failed - self._recving.keys()  # a group failed to start
+        self._failed_now = self._recv_failed & received
+        self._recv_failed -= received
+        return (ready or None), (received or None)
+
+    def load_failures(self) -> set[str]:
+        """Requests whose asynchronous loads failed, reported once, with their ids in
+        ``get_finished``'s received set of the same call."""
+        failed, self._failed_now = self._failed_now, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -297,9 +386,10 @@ class WorkerSide:
         that failed, reported with their ids in this step's ``get_finished``; and the
         step just run, so that every step's output (a 0-token one included) reaches the
         scheduler side paired with its step."""
-        loaded = [step for step, loads in self._loading if loads.done()]
+        pending = {step for step, loads in self._loading if not loads.done()}
+        loaded = sorted({step for step, _ in self._loading} - pending)
         if loaded:
-            self._loading = [(s, ld) for s, ld in self._loading if s not in loaded]
+            self._loading = [(s, ld) for s, ld in self._loading if s in pending]
         step, self._ran_step = self._ran_step, 0
         if not loaded and not self._failed_saves and not step:
             return None
@@ -312,6 +402,7 @@ class WorkerSide:
         return {"saves_in_flight": len(self._in_flight), "saves_unreported": len(self._saved),
                 "finished_waiting": len(self._finished), "failed_unreported": len(self._failed),
                 "loads_copying": len(self._loading) + (self._loads is not None),
+                "loads_unreported": len(self._recving),
                 "load_errors": len(self._load_errors)}
 
     def close(self) -> None:
@@ -323,6 +414,24 @@ class WorkerSide:
             remove_pool(self.pool_path)
         if self.host_pool is not None:
             remove_published(self.pool_path, self.tp_rank)
+
+
+class _Both:
+    """Done when both handles are (a request's saves on two groups' batches)."""
+
+    def __init__(self, a: CopyHandle, b: CopyHandle) -> None:
+        self._a, self._b = a, b
+
+    def done(self) -> bool:
+        return self._a.done() and self._b.done()
+
+    def wait(self) -> None:
+        self._a.wait()
+        self._b.wait()
+
+    def stream_wait(self) -> None:
+        self._a.stream_wait()
+        self._b.stream_wait()
 
 
 def forward_runs_layer_by_layer(forward_context: Any) -> bool:

@@ -314,16 +314,6 @@ def test_dense_mla_is_one_copy_for_every_tp_size() -> None:
     assert ns(1, g1) == ns(2, g2)
 
 
-def test_several_kv_cache_groups_are_refused_naming_them() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from kvtier.vllm.geometry import geometry_from_kv_cache_config
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    with pytest.raises(TierError, match=r"has 2 \(FullAttentionSpec\)"):
-        geometry_from_kv_cache_config(_config(spec, groups=2))
-
-
 def test_pipeline_and_context_parallel_are_refused_naming_the_flag() -> None:
     from kvtier.vllm.connector import check_parallel_config
 

@@ -1,0 +1,289 @@
+"""Hybrid models (vLLM's hybrid KV-cache manager on) without an engine: the geometry
+accepts full and sliding-window groups and refuses the rest by name; a finished request
+stores each group as objects of its own (the full group's chunks and tail, the window
+group's window); a returning one restores every group through asynchronous loads; the
+worker copies each group's layers with that group's block ids and reports a failed
+load per request.
+
+Requests are plain records with the attributes of vLLM's ``Request`` that the scheduler
+side reads; block tables are what vLLM gives per group (the window group's null block
+below its window). The store is real. Bytes and tokens are checked in real vLLM in
+``test_hybrid_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.build import build_store
+from kvtier.clock import ManualClock
+from kvtier.config import KVTierConfig
+from kvtier.keys import (
+    ChunkKey,
+    Namespace,
+    chunk_keys,
+    group_key,
+    key_from_hex,
+    tail_key,
+    window_key,
+)
+from kvtier.tiers.base import TierError
+from kvtier.vllm.geometry import Geometry, GroupShape, geometry_from_kv_cache_config
+from kvtier.vllm.hybrid import prefix_pieces
+from kvtier.vllm.protocol import CopyOp, KVTierMetadata
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.worker_side import WorkerSide
+from tests.vllm.hooks import ask
+
+BS, BPC = 16, 4
+CT = BS * BPC
+W = 40  # the window group keeps the blocks from (c - 39) // 16: a hit needs 3 blocks
+SW, FULL = 0, 1  # vLLM's group order in the Gemma-2 e2e: the window group first
+GEOM = Geometry(2, 2, 8, BS, 1024, "float32",
+                groups=(GroupShape(2, W), GroupShape(2, 0)), group_layers="x")
+NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
+               num_layers=2, num_kv_heads=2, head_size=8, chunk_tokens=CT, block_size=BS,
+               attention=GEOM.attention)
+BASE = list(range(1, 2 * CT + 3 * BS + 1))  # 2 chunks and 3 blocks: 11 blocks
+
+
+class GroupBlocks:
+    """vLLM's ``KVCacheBlocks`` with one block table per group."""
+
+    def __init__(self, *ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+def _sched(tmp_path: Path) -> SchedulerSide:
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT,
+        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through"}}],
+        "restore": {"recompute_threshold_tokens": 1},
+    })
+    return SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
+                         clock=ManualClock())
+
+
+@pytest.fixture
+def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
+    s = _sched(tmp_path)
+    yield s
+    s.close()
+
+
+def _req(rid: str, tokens: list[int], computed: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, num_tokens=len(tokens), all_token_ids=tokens,
+        num_computed_tokens=len(tokens) - 1 if computed is None else computed,
+        kv_transfer_params=None, cache_salt=None, lora_request=None,
+        mm_features=None, prompt_embeds=None)
+
+
+def _tables(computed: int, total_blocks: int, base: int = 100) -> tuple[list[int], list[int]]:
+    """A finished request's block tables: the window group's null (0) below the window
+    of its computed tokens, the full group's every block (other ids)."""
+    skipped = max(0, computed - W + 1) // BS
+    sw = [0 if i < skipped else base + i for i in range(total_blocks)]
+    return sw, [base + 50 + i for i in range(total_blocks)]
+
+
+def _finish(sched: SchedulerSide, req: SimpleNamespace, base: int = 100) -> dict[str, Any]:
+    tables = _tables(req.num_computed_tokens, -(-req.num_tokens // BS), base)
+    delay, params = sched.request_finished_groups(req, tables)
+    assert delay
+    kv: dict[str, Any] = params["kvtier"]
+    return kv
+
+
+def _settle(sched: SchedulerSide, *rids: str) -> None:
+    sched.build_meta()
+    sched.on_worker_output(set(rids), None)
+
+
+# -- geometry ---------------------------------------------------------------------------
+def _config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return SimpleNamespace(kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{g}.attn"], s) for g, s in enumerate(specs)])
+
+
+def test_full_and_sliding_window_groups_make_a_hybrid_geometry() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           sliding_window=128)
+    g = geometry_from_kv_cache_config(_config(sw, full, sw), tp_world=2)
+    assert g.groups == (GroupShape(1, 128), GroupShape(1, 0), GroupShape(1, 128))
+    assert g.chunk_bytes(32) == 2 * 2 * full.page_size_bytes  # one group's chunk per slot
+    assert g.attention.startswith("hybrid:sliding_window:128x1,fullx1,sliding_window:128x1;")
+    other = geometry_from_kv_cache_config(_config(full, sw, sw), tp_world=2)
+    assert other.attention != g.attention  # which layers are in which group is keyed
+
+
+def test_groups_kvtier_cannot_store_are_refused_naming_the_model_and_the_kind() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(TierError, match=r"Qwen/Qwen3-Next.*group 1 is MambaSpec.*state"):
+        geometry_from_kv_cache_config(_config(full, mamba), model="Qwen/Qwen3-Next")
+    wide = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    with pytest.raises(TierError, match="differ in block_size"):
+        geometry_from_kv_cache_config(_config(full, wide))
+
+
+# -- saves ------------------------------------------------------------------------------
+def test_a_finished_request_stores_each_group_as_objects_of_its_own(
+        sched: SchedulerSide) -> None:
+    req = _req("a", [*BASE, 7])  # 176 tokens computed: 2 chunks and a 3-block tail
+    kv = _finish(sched, req)
+    saves = sched.build_meta().saves
+    keys = chunk_keys(NS.digest(), BASE, CT)
+    end = tail_key(keys[1], BASE[2 * CT:])
+    # the full group: chunks 0 and 1, then the tail; the window group: blocks 8..10
+    assert [(op.group, op.block_ids, op.span) for op in saves] == [
+        (FULL, [150, 151, 152, 153], 0), (FULL, [154, 155, 156, 157], 0),
+        (FULL, [158, 159, 160], 3), (SW, [108, 109, 110], 3)]
+    assert kv["tokens"] == 2 * CT + 3 * BS
+    assert kv["last_key"] == group_key(window_key(end, 0, 1), SW).hex()
+    sched.on_worker_output({"a"}, None)
+    # one chain from the last piece down to chunk 0 (a lease renewal walks all of it)
+    metas = {m.key: m for _, m in sched.store.host.index.entries()}
+    chain: list[ChunkKey] = []
+    key: ChunkKey | None = key_from_hex(kv["last_key"])
+    while key is not None and key in metas:
+        chain.append(key)
+        key = metas[key].parent
+    assert len(chain) == 4 and key is None
+
+
+def test_a_returning_turn_restores_every_group_asynchronously(sched: SchedulerSide) -> None:
+    _finish(sched, _req("a", [*BASE, 7]))
+    _settle(sched, "a")
+    turn2 = _req("b", [*BASE, 7, 8, 9], computed=0)
+    assert ask(sched, turn2) == 2 * CT + 3 * BS  # the whole prefix
+    assert sched.get_num_new_matched_tokens(turn2, 0) == (2 * CT + 3 * BS, True)
+    sw = [0] * 8 + [8, 9, 10, 11]  # vLLM pads below the window with its null block
+    full = list(range(50, 62))
+    sched.update_state_after_alloc(turn2, GroupBlocks(sw, full), 2 * CT + 3 * BS)
+    meta = sched.build_meta()
+    assert meta.async_loads
+    assert [(op.group, op.block_ids, op.first, op.span) for op in meta.loads] == [
+        (FULL, [50, 51, 52, 53], 0, 0), (FULL, [54, 55, 56, 57], 0, 0),
+        (FULL, [58, 59, 60], 0, 3), (SW, [8, 9, 10], 0, 3)]
+
+
+def test_vllm_s_own_hit_loads_only_the_rest_of_each_group(sched: SchedulerSide) -> None:
+    _finish(sched, _req("a", [*BASE, 7]))
+    _settle(sched, "a")
+    turn2 = _req("b", [*BASE, 7, 8])
+    n = ask(sched, turn2, 9 * BS)
+    assert n == 2 * BS
+    sched.update_state_after_alloc(turn2, GroupBlocks([0] * 6 + list(range(6, 12)),
+                                                      list(range(50, 62))), n)
+    loads = sched.build_meta().loads
+    # the full group's blocks 9 and 10 (of its tail); the window's blocks 9 and 10
+    assert [(op.group, op.block_ids, op.first, op.span) for op in loads] == [
+        (FULL, [59, 60], 1, 3), (SW, [9, 10], 1, 3)]
+
+
+def test_conversations_on_one_new_prefix_each_store_and_restore_their_own(
+        sched: SchedulerSide) -> None:
+    """Four conversations share a new two-chunk prefix and finish in the same step: the
+    shared chunks are saved once, and each keeps its own tail and window."""
+    convs = [_req(f"c{i}", [*BASE[: 2 * CT], *range(600 + 10 * i, 600 + 10 * i + BS + 5)])
+             for i in range(4)]
+    for i, c in enumerate(convs):
+        assert _finish(sched, c, base=100 + 100 * i)["tokens"] == 2 * CT + BS
+    saves = sched.build_meta().saves
+    assert sum(op.group == FULL and op.span == 0 for op in saves) == 2  # the shared chunks
+    sched.on_worker_output({c.request_id for c in convs}, None)
+    for i, c in enumerate(convs):
+        back = _req(f"r{i}", [*c.all_token_ids, 1, 2, 3], computed=0)
+        assert ask(sched, back) == 2 * CT + BS, i
+
+
+def test_a_freed_window_stores_the_chunks_and_announces_nothing(
+        sched: SchedulerSide) -> None:
+    req = _req("a", [*BASE, 7])
+    tables = list(_tables(req.num_computed_tokens, 12))
+    tables[SW][8] = 0  # the window group freed the window's first block (the corner)
+    _, params = sched.request_finished_groups(req, tuple(tables))
+    assert params["kvtier"]["tokens"] == 0
+    assert {op.group for op in sched.build_meta().saves} == {FULL}
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunks=st.integers(1, 5), tail=st.integers(0, BPC - 1), start=st.integers(0, 5))
+def test_prefix_pieces_cover_each_group_once(chunks: int, tail: int, start: int) -> None:
+    keys = chunk_keys(NS.digest(), list(range(1, chunks * CT + 1)), CT)
+    t = (tail, tail_key(keys[-1], list(range(tail * BS)))) if tail else None
+    pieces = prefix_pieces(GEOM, BPC, keys, t, start_chunk=min(start, chunks))
+    end = chunks * BPC + tail
+    full = sorted(b for p in pieces if p.group == FULL for b in range(p.first, p.first + p.blocks))
+    assert full == list(range(min(start, chunks) * BPC, end))
+    sw = sorted(b for p in pieces if p.group == SW for b in range(p.first, p.first + p.blocks))
+    assert sw == list(range(max(0, end - GEOM.blocks_for_window(W)), end))
+    assert len({p.key for p in pieces}) == len(pieces)
+    assert all(p.blocks <= BPC and (p.span == 0) == (p.blocks == BPC) for p in pieces)
+
+
+# -- worker -----------------------------------------------------------------------------
+LAYERS = [["l0", "l2"], ["l1", "l3"]]  # group 0 and group 1 (equal layers per group)
+HEADS, HEAD, NB = 2, 8, 24
+
+
+def _worker(tmp_path: Path) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    geom = Geometry(2, HEADS, HEAD, 4, HEADS * 4 * 2 * HEAD * 4, "float32",
+                    groups=(GroupShape(2, W), GroupShape(2, 0)))
+    cfg = KVTierConfig.model_validate({"chunk_tokens": 16, "copy_backend": "torch", "tiers": [
+        {"host": {"capacity": "64KiB", "pinned": "no"}}]})
+    w = WorkerSide(cfg, geom, LAYERS, tmp_path / "pool")
+    gen = torch.Generator().manual_seed(3)
+    kv = {n: torch.randn(NB, HEADS, 4, 2 * HEAD, generator=gen) for g in LAYERS for n in g}
+    w.register(kv, CPUAttentionBackend, KVCacheLayout.LBHNC, NB)
+    return w, kv
+
+
+def test_the_worker_copies_each_group_with_its_own_blocks_and_reports_per_request(
+        tmp_path: Path) -> None:
+    w, kv = _worker(tmp_path)
+    try:
+        saves = [CopyOp("s", 0, [1, 2, 3, 4], group=0), CopyOp("s", 1, [5, 6, 7, 8], group=1)]
+        w.run(KVTierMetadata(1, saves=saves), layer_by_layer=False)
+        w.end_forward()
+        assert w.get_finished({"s"}) == ({"s"}, None)
+        loads = [CopyOp("r", 0, [11, 12, 13, 14], group=0),
+                 CopyOp("r", 1, [15, 16, 17, 18], group=1),
+                 CopyOp("bad", 99, [20], group=1)]  # a slot outside the pool: fails
+        w.run(KVTierMetadata(2, loads=loads, async_loads=True), layer_by_layer=True)
+        w.end_forward()
+        assert w.load_errors() == set()  # never block-level: vLLM would raise
+        assert w.get_finished(set()) == (None, {"r", "bad"})
+        assert w.load_failures() == {"bad"}
+        for name in LAYERS[0]:  # group 0's layers from group 0's blocks, and only those
+            assert torch.equal(kv[name][11:15], kv[name][1:5])
+        for name in LAYERS[1]:
+            assert torch.equal(kv[name][15:19], kv[name][5:9])
+            assert not torch.equal(kv[name][11:15], kv[name][1:5])
+        meta = w.worker_meta()
+        assert meta is not None and meta.loaded_steps == [2]
+    finally:
+        w.close()
