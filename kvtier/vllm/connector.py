@@ -30,6 +30,12 @@ rank after rank, and each worker copies only its own (``WorkerSide.register``). 
 step's loads complete when every rank says so (``KVTierWorkerMetadata.loaded_steps``
 counts ranks), and a save any rank failed is never committed. Pipeline and context
 parallel are refused.
+
+Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on and calls
+``request_finished_all_groups`` with every group's blocks. Each group is stored as objects
+of its own (``hybrid.py``); restores are asynchronous and a failed one is reported per
+request (``get_transfer_results``' ``failed_recving``), because vLLM cannot map a
+block-level error to a request when block ids repeat across groups.
 """
 
 from __future__ import annotations

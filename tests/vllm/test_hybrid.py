@@ -287,3 +287,20 @@ def test_the_worker_copies_each_group_with_its_own_blocks_and_reports_per_reques
         assert meta is not None and meta.loaded_steps == [2]
     finally:
         w.close()
+
+
+def test_a_piece_that_fails_mid_read_makes_the_turn_recompute(
+        sched: SchedulerSide, tmp_path: Path) -> None:
+    """A file object the index knows turns out bad when read (a torn write on a shared
+    tier, a bad disk): the pieces before it are read, it is not, and the turn recomputes
+    everything instead of restoring a prefix that some group lacks."""
+    _finish(sched, _req("a", [*BASE, 7]))
+    _settle(sched, "a")
+    sched.store.flush()
+    sched.store.drop_host()
+    turn2 = _req("b", [*BASE, 7, 8, 9], computed=0)
+    objects = sorted(tmp_path.rglob("*.kv"), key=lambda p: p.stat().st_size)
+    assert len(objects) == 4  # 2 chunks, the tail and the window (3 blocks each)
+    objects[0].write_bytes(objects[0].read_bytes()[:100])  # a 3-block piece, cut short
+    assert ask(sched, turn2) == 0
+    assert sched.build_meta().loads == []
