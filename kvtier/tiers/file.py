@@ -23,7 +23,8 @@ Invariants, chosen to hold on NFS with several writers:
   correct for the shared directory. Leases: the mtime is also the lease start.
 * A page of the walk is one of the 256 top-level directories (then the files directly in
   ``kv/``: probes); it lists objects with their mtimes (exact) and refreshes what the tier
-  knows of that directory's temp files.
+  knows of that directory's temp files. ``check_listing`` reads one entry of ``kv/``:
+  all the constructor lists.
 * A victim is re-stated before its unlink (``heads``), but the unlink itself is
   unconditional: NFS has no conditional unlink. A corrupt object is removed only if it is
   still the inode (and mtime) that was read.
@@ -277,6 +278,10 @@ class FileTransport:
                 fault = fault or e
         return outcomes, fault
 
+    def check_listing(self) -> None:
+        with os.scandir(self.dir) as entries:
+            next(entries, None)
+
     def page(self, cursor: object | None) -> Page:
         shard = 0 if cursor is None else int(cursor)  # type: ignore[call-overload]
         if shard == _TOP:
@@ -372,7 +377,13 @@ class FileTier(ObjectTier):
         self._temp_grace = temp_grace
         self.removed_temps = 0  # stale temp files this instance removed (start scan included)
         self._check_writable(setting)
-        self._open(background_index)
+        try:
+            self._open(background_index)
+        except OSError as e:
+            raise TierError(
+                f"{setting}.path: {transport.dir} cannot be listed ({e.strerror}); "
+                "give this user read and search permission on it"
+            ) from e
 
     def _check_writable(self, setting: str) -> None:
         """Create ``root`` (not its parents: a missing shared mount must not silently

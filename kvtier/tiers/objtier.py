@@ -6,9 +6,10 @@ store alone has (temp files; the restamp thread).
 
 Invariants:
 
-* **Serve from the first second.** The constructor lists one page (a store that cannot
-  be listed fails there, with a message naming the setting) and, with
-  ``background_index``, fills the rest of the index on a thread of its own. Until it is
+* **Serve from the first second.** The constructor lists nothing: it checks that the
+  store can be listed with one call of constant cost (``Transport.check_listing``; a
+  store that cannot be listed fails there, with a message naming the setting) and, with
+  ``background_index``, fills the whole index on a thread of its own. Until it is
   complete a key the index does not know is answered by the store itself
   (``contains_prefix`` asks it: ``TieredStore.probe`` does that on a probe thread, never
   the scheduler's), and ``collect`` does nothing (usage is not known yet). Progress and
@@ -134,21 +135,24 @@ class ObjectTier:
 
     # -- start scan ----------------------------------------------------------------------
     def _open(self, background: bool) -> None:
-        """List the first page here (raises the transport's fault if the store cannot be
-        listed), the rest here or, with ``background``, on a thread of its own."""
+        """Check that the store can be listed (one call of constant cost; raises the
+        transport's fault if not), then scan it here or, with ``background``, on a
+        thread of its own."""
         self.metrics.index_scan(0, ready=False)
         t0 = time.perf_counter()
-        first = self.transport.page(None)
-        if background and first.next is not None:
-            threading.Thread(target=self._fill, args=(first, t0), name=f"{self._name}-index",
+        self.transport.check_listing()
+        if background:
+            threading.Thread(target=self._fill, args=(t0,), name=f"{self._name}-index",
                              daemon=True).start()
         else:
-            self._fill(first, t0)
+            self._fill(t0)
 
-    def _fill(self, page: Page, t0: float) -> None:
+    def _fill(self, t0: float) -> None:
         n = 0
+        cursor: object | None = None
         try:
             while True:
+                page = self.transport.page(cursor)
                 for i in range(0, len(page.objects), _FILL_BATCH):
                     self.index.add_scanned(page.objects[i : i + _FILL_BATCH])
                 n += len(page.objects)
@@ -156,7 +160,7 @@ class ObjectTier:
                 wait = scan_delay(n, time.perf_counter() - t0, self._scan_rate)
                 if page.next is None or self._closing.wait(wait):
                     break
-                page = self.transport.page(page.next)
+                cursor = page.next
         except Exception as e:  # the thread must end ready: the walk finds the rest
             self._fault("scan", e)
             log.warning("%s: the start scan stopped after %d objects (%s); the walk "

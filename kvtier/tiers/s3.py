@@ -186,6 +186,10 @@ class S3Transport:
             else Victim(self.object_name(k), str(st.version), st.used) for k, st in victims])
         return {by_name[n]: o for n, o in removal.outcomes.items()}, removal.fault
 
+    def check_listing(self) -> None:
+        self.io.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}kv/",
+                                       MaxKeys=1)
+
     def page(self, cursor: object | None) -> Page:
         """One listing page; the cursor is ``(continuation token, first key number)``."""
         token, lo = cursor if isinstance(cursor, tuple) else (None, 0)
@@ -234,8 +238,9 @@ class S3Tier(ObjectTier):
         tick_objects: int = TICK_OBJECTS,
         scan_rate: float = 0.0,
     ) -> None:
-        """``background_index``: return after the first listing page and fill the index
-        on a thread (an engine start); else the constructor lists the whole prefix.
+        """``background_index``: return once a one-key listing shows the prefix can be
+        listed and fill the index on a thread (an engine start); else the constructor
+        lists the whole prefix.
         ``scan_rate``: objects per second the start scan lists at most (0: no limit)."""
         self.bucket = bucket
         self.prefix = "".join(f"{p}/" for p in prefix.split("/") if p)  # "/a//b" -> "a/b/"
