@@ -12,10 +12,11 @@ Invariants every transport keeps:
   returns its length and that version; ``discard`` and ``remove`` delete an object only
   while it is still the version named (where the store lets that be checked; each
   transport states its window).
-* ``page(cursor)`` lists one bounded slice of the store: one of the 256 top-level
-  directories, or one listing page. Pages cover the key space in ascending order; a page
-  says which key range ``[lo, hi]`` it covers (every object there is listed) and the
-  cursor of the next page, ``None`` after the last (a full pass).
+* ``page(cursor)`` lists one small bounded slice of the store: one leaf directory
+  (``kv/xx/yy``), or one listing page. Pages cover the key space in ascending order; a
+  page says which key range ``[lo, hi]`` it covers (every object there is listed; the
+  ranges of consecutive pages are contiguous) and the cursor of the next page, ``None``
+  after the last (a full pass).
 * ``check_listing`` costs one call whatever the store holds (it lists nothing but at
   most one entry): what a tier's constructor may afford at ten million objects.
 * Faults of the store raise one of ``faults`` (the core counts them and turns them into

@@ -4,6 +4,7 @@ writes and removals. Time is a ``ManualClock``; the start scan is held on an eve
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
 from kvtier.tiers.objtier import scan_delay
 from kvtier.tiers.transport import Page
+from kvtier.tiers.walk import TickBudget
 from tests.tiers.harness import make_key, meta_for, payload_for
 
 SAFETY_S = 30.0  # only a deadlock gets there
@@ -241,14 +243,14 @@ def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
     tmp_path: Path, clock: ManualClock
 ) -> None:
     keys = _fill(tmp_path, clock, 60)
-    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick_objects=1)  # one page per tick
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick=TickBudget(1, math.inf))
     clock.advance(1000)
     removed, ticks = 0, 0
     while tier.passes == 0:
         removed += tier.expire(500)
         ticks += 1
-    # A tick ends once it listed tick_objects (here: at the first non-empty directory);
-    # each key has a top-level directory of its own, and one last tick ends the pass.
+    # A tick ends once it listed tick.objects (here: at the first non-empty leaf); each
+    # key has a top-level directory of its own, and one last tick ends the pass.
     assert ticks == len(keys) + 1
     assert removed == len(keys) and tier.usage().objects == 0
 
