@@ -15,7 +15,9 @@ from kvtier.store import LowerTier, TieredStore, WritePolicy
 from kvtier.tiers.base import SharedTier, TierError
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.objtier import TICK_OBJECTS
 from kvtier.tiers.pool import PINNED_UNAVAILABLE, Allocator, mmap_allocator
+from kvtier.tiers.walk import TickBudget
 
 
 def build_host(cfg: HostConfig, slot_bytes: int) -> HostTier:
@@ -42,6 +44,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
             clock=clock,
             background_index=spec.index == "background",
             scan_rate=spec.index_objects_per_second,
+            tick=TickBudget(TICK_OBJECTS, spec.walk_tick_seconds),
             setting=f"{setting}.file",
         )
     from kvtier.tiers.s3 import S3Tier  # boto3 is imported only when S3 is configured
@@ -64,6 +67,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
         clock=clock,
         background_index=spec.index == "background",
         scan_rate=spec.index_objects_per_second,
+        tick=TickBudget(TICK_OBJECTS, spec.walk_tick_seconds),
         name=f"s3{index}",
         setting=f"{setting}.s3",
     )

@@ -122,7 +122,10 @@ def cmd_stats(cfg: KVTierConfig, args: argparse.Namespace) -> int:
 def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     lease = cfg.retention.lease_seconds
     for tier in _lower_tiers(cfg, args.tier):
-        expired = tier.expire(lease) if args.expired else 0
+        expired = 0
+        if args.expired:  # a whole pass, not one heartbeat's tick
+            expired = tier.expire(lease, whole_pass=True) if isinstance(tier, ObjectTier) \
+                else tier.expire(lease)
         freed = tier.collect()
         # Opening the tier scanned it and removed temp files past file.temp_grace_seconds.
         temps = tier.removed_temps if isinstance(tier, FileTier) else 0

@@ -105,6 +105,10 @@ class FileConfig(_Model):
     #: metadata load a restart puts on a shared NFS/CephFS (one ``stat`` per object).
     #: Nothing is collected until the scan is done, so keep objects / rate reasonable.
     index_objects_per_second: float = Field(0.0, ge=0)
+    #: One tick of the walk (an expiry heartbeat, the collector's step every 30 s) lists
+    #: the store for at most this long (whole leaf directories), then the next resumes
+    #: there: a full pass takes about (listing time of the tier) / this many ticks.
+    walk_tick_seconds: float = Field(1.0, gt=0, le=3600)
 
 
 class S3Config(_Model):
@@ -133,6 +137,8 @@ class S3Config(_Model):
     index: Literal["background", "blocking"] = "background"
     #: As ``file.index_objects_per_second`` (a listing page is 1,000 objects).
     index_objects_per_second: float = Field(0.0, ge=0)
+    #: As ``file.walk_tick_seconds`` (whole listing pages of 1,000 objects).
+    walk_tick_seconds: float = Field(1.0, gt=0, le=3600)
 
 
 class TierEntry(_Model):

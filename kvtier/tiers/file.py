@@ -21,9 +21,12 @@ Invariants, chosen to hold on NFS with several writers:
 * No ``flock``, no ``atime``: recency is the file's mtime, set explicitly with ``utime`` on
   a hit (at most once per ``touch_interval``). Every node sees it, so LRU collection is
   correct for the shared directory. Leases: the mtime is also the lease start.
-* A page of the walk is one of the 256 top-level directories (then the files directly in
-  ``kv/``: probes); it lists objects with their mtimes (exact) and refreshes what the tier
-  knows of that directory's temp files.
+* A page of the walk is one leaf directory ``kv/xx/yy`` (then the files directly in
+  ``kv/``: probes), so a page costs about objects / 65,536 ``stat`` calls; the leaves of
+  a top-level directory are read once per pass, when the walk enters it, and carried in
+  the cursor. A page lists objects with their mtimes (exact) and refreshes what the tier
+  knows of the temp files in the leaves it covers. ``check_listing`` reads one entry of
+  ``kv/``: all the constructor lists.
 * A victim is re-stated before its unlink (``heads``), but the unlink itself is
   unconditional: NFS has no conditional unlink. A corrupt object is removed only if it is
   still the inode (and mtime) that was read.
@@ -38,9 +41,7 @@ import os
 import secrets
 import socket
 import stat
-import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
@@ -48,7 +49,8 @@ from kvtier.keys import ChunkKey, key_from_hex
 from kvtier.metrics import TierMetrics
 from kvtier.tiers import fsutil
 from kvtier.tiers.base import TierError
-from kvtier.tiers.objtier import TICK_OBJECTS, ObjectTier
+from kvtier.tiers.objtier import DEFAULT_TICK, ObjectTier
+from kvtier.tiers.temps import TempIndex
 from kvtier.tiers.transport import (
     Exists,
     Listed,
@@ -58,58 +60,18 @@ from kvtier.tiers.transport import (
     Stat,
     Version,
 )
+from kvtier.tiers.walk import TickBudget
 
 log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
-_TOP = 256  # the page after the 256 shards: files directly in kv/ (probes)
-
-
-@dataclass(frozen=True)
-class TempEntry:
-    size: int
-    mtime: float  # the last write to it, as the file system reports it
-
-
-class TempIndex:
-    """Temp files seen in a shared directory, any node's. They hold disk space, so the
-    tier counts their bytes against capacity until they are published or removed. Any
-    thread; no I/O under its lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[str, TempEntry] = {}
-        self.bytes = 0
-
-    def reset_under(self, prefix: str, found: Iterable[tuple[str, int, float]]) -> None:
-        """Replace the temps whose path starts with ``prefix`` by ``(path, size, mtime)``."""
-        with self._lock:
-            for path in [p for p in self._entries if p.startswith(prefix)]:
-                self.bytes -= self._entries.pop(path).size
-            for path, size, mtime in found:
-                self._entries[path] = TempEntry(size, mtime)
-                self.bytes += size
-
-    def remember(self, path: str, size: int, mtime: float) -> None:
-        with self._lock:
-            old = self._entries.get(path)
-            self.bytes += size - (old.size if old is not None else 0)
-            self._entries[path] = TempEntry(size, mtime)
-
-    def forget(self, path: str) -> None:
-        with self._lock:
-            old = self._entries.pop(path, None)
-            if old is not None:
-                self.bytes -= old.size
-
-    def items(self) -> list[tuple[str, TempEntry]]:
-        with self._lock:
-            return list(self._entries.items())
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+_LEAVES = 256 * 256  # leaf directories xx/yy; the page after them: files in kv/ (probes)
+_LEAF_SHIFT = 112  # a leaf's keys, as numbers: [leaf << 112, (leaf + 1) << 112)
+_HEX2 = frozenset(f"{i:02x}" for i in range(256))
+#: The walk's cursor: the next leaf, and the leaves of its top-level directory still to
+#: list (None: not read yet).
+_Cursor = tuple[int, tuple[str, ...] | None]
 
 
 class FileTransport:
@@ -277,28 +239,50 @@ class FileTransport:
                 fault = fault or e
         return outcomes, fault
 
+    def check_listing(self) -> None:
+        with os.scandir(self.dir) as entries:
+            next(entries, None)
+
     def page(self, cursor: object | None) -> Page:
-        shard = 0 if cursor is None else int(cursor)  # type: ignore[call-overload]
-        if shard == _TOP:
+        """One leaf directory: the next one that exists from the cursor's leaf on. The
+        page's key range runs from the cursor's leaf to that leaf (to the end of its
+        top-level directory if it is the last there), so missing leaves are covered."""
+        leaf, subs = cursor if isinstance(cursor, tuple) else (0, None)
+        if leaf >= _LEAVES:
             self._top_files()
             return Page([], 1, 0, None)
+        shard = leaf >> 8
+        if subs is None:
+            subs = self._leaves_of(shard, leaf & 0xFF)
         found: list[Listed] = []
-        temps: list[tuple[str, int, float]] = []
-        prefix = f"{shard:02x}"
-        top = self.dir / prefix
-        try:
-            subdirs = [d for d in os.scandir(top)
-                       if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            subdirs = []
-        for d2 in subdirs:
-            for entry in os.scandir(d2.path):
-                self._listed(entry, prefix + d2.name, found, temps)
-        self.temps.reset_under(str(top) + os.sep, temps)
-        return Page(found, shard << 120, ((shard + 1) << 120) - 1, shard + 1)
+        temps: list[tuple[int, str, int, float]] = []
+        if subs:
+            name = f"{shard:02x}{subs[0]}"
+            here = (shard << 8) | int(subs[0], 16)
+            try:
+                with os.scandir(self.dir / name[:2] / name[2:]) as entries:
+                    for entry in entries:
+                        self._listed(entry, name, here, found, temps)
+            except FileNotFoundError:
+                pass
+        rest = subs[1:]
+        last = ((shard << 8) | int(rest[0], 16)) - 1 if rest else (shard << 8) | 0xFF
+        self.temps.reset(leaf, last, temps)
+        nxt: _Cursor = (last + 1, rest or None)
+        return Page(found, leaf << _LEAF_SHIFT, ((last + 1) << _LEAF_SHIFT) - 1, nxt)
 
-    def _listed(self, entry: os.DirEntry[str], where: str, found: list[Listed],
-                temps: list[tuple[str, int, float]]) -> None:
+    def _leaves_of(self, shard: int, first: int) -> tuple[str, ...]:
+        """The leaf directories of top-level directory ``shard``, from ``first`` on."""
+        try:
+            with os.scandir(self.dir / f"{shard:02x}") as entries:
+                names = [d.name for d in entries
+                         if d.name in _HEX2 and d.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return ()
+        return tuple(n for n in sorted(names) if int(n, 16) >= first)
+
+    def _listed(self, entry: os.DirEntry[str], where: str, leaf: int, found: list[Listed],
+                temps: list[tuple[int, str, int, float]]) -> None:
         name = entry.name
         temp = name.endswith(_TMP_SUFFIX)
         if not temp and not name.endswith(_SUFFIX):
@@ -311,7 +295,7 @@ class FileTransport:
         if not fsutil.is_regular(st):  # FIFOs, symlinks...: never read, never counted
             return
         if key is None:
-            temps.append((entry.path, st.st_size, st.st_mtime))
+            temps.append((leaf, entry.path, st.st_size, st.st_mtime))
         elif name.startswith(where):  # not misplaced: readers find it
             found.append(Listed(key, st.st_size, st.st_mtime))
 
@@ -322,16 +306,8 @@ class FileTransport:
                 if entry.name.endswith(_TMP_SUFFIX) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileNotFoundError):
                         st = entry.stat(follow_symlinks=False)
-                        temps.append((entry.path, st.st_size, st.st_mtime))
-        self._reset_top(temps)
-
-    def _reset_top(self, temps: list[tuple[str, int, float]]) -> None:
-        top, seen = str(self.dir) + os.sep, {t[0] for t in temps}
-        for path, _ in self.temps.items():
-            if path.startswith(top) and os.sep not in path[len(top):] and path not in seen:
-                self.temps.forget(path)
-        for path, size, mtime in temps:
-            self.temps.remember(path, size, mtime)
+                        temps.append((_LEAVES, entry.path, st.st_size, st.st_mtime))
+        self.temps.reset(_LEAVES, _LEAVES, temps)
 
     def close(self) -> None:
         pass
@@ -354,7 +330,7 @@ class FileTier(ObjectTier):
         clock: Clock = SYSTEM_CLOCK,
         setting: str = "file",
         background_index: bool = False,
-        tick_objects: int = TICK_OBJECTS,
+        tick: TickBudget = DEFAULT_TICK,
         scan_rate: float = 0.0,
     ) -> None:
         """``background_index``: return at once and fill the index on a thread (an engine
@@ -365,14 +341,20 @@ class FileTier(ObjectTier):
                                   metrics=metrics)
         super().__init__(transport, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick_objects=tick_objects, scan_rate=scan_rate)
+                         tick=tick, scan_rate=scan_rate)
         self.metrics = metrics
         self.files = transport
         self.root = transport.root
         self._temp_grace = temp_grace
         self.removed_temps = 0  # stale temp files this instance removed (start scan included)
         self._check_writable(setting)
-        self._open(background_index)
+        try:
+            self._open(background_index)
+        except OSError as e:
+            raise TierError(
+                f"{setting}.path: {transport.dir} cannot be listed ({e.strerror}); "
+                "give this user read and search permission on it"
+            ) from e
 
     def _check_writable(self, setting: str) -> None:
         """Create ``root`` (not its parents: a missing shared mount must not silently
@@ -425,7 +407,7 @@ class FileTier(ObjectTier):
             try:
                 st = os.lstat(path)
                 if now - st.st_mtime < grace:  # still being written (or just published)
-                    temps.remember(path, st.st_size, st.st_mtime)
+                    temps.update(path, st.st_size, st.st_mtime)
                     continue
                 os.unlink(path)
                 removed += 1

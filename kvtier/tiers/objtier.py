@@ -6,9 +6,10 @@ store alone has (temp files; the restamp thread).
 
 Invariants:
 
-* **Serve from the first second.** The constructor lists one page (a store that cannot
-  be listed fails there, with a message naming the setting) and, with
-  ``background_index``, fills the rest of the index on a thread of its own. Until it is
+* **Serve from the first second.** The constructor lists nothing: it checks that the
+  store can be listed with one call of constant cost (``Transport.check_listing``; a
+  store that cannot be listed fails there, with a message naming the setting) and, with
+  ``background_index``, fills the whole index on a thread of its own. Until it is
   complete a key the index does not know is answered by the store itself
   (``contains_prefix`` asks it: ``TieredStore.probe`` does that on a probe thread, never
   the scheduler's), and ``collect`` does nothing (usage is not known yet). Progress and
@@ -16,18 +17,21 @@ Invariants:
   and the end is logged with the time taken. With ``scan_rate`` (objects per second, 0:
   no limit) the start scan waits before each page until, counted from its start, it
   has listed at most that many per second (``scan_delay``): whole pages, so a burst is
-  one page. ``close`` ends the wait at once. Collection waits for the whole scan, so a
-  rate that makes it take hours leaves the tier uncollected that long.
+  one page (one leaf directory, one S3 listing page). ``close`` ends the wait at once.
+  Collection waits for the whole scan, so a rate that makes it take hours leaves the
+  tier uncollected that long.
 * **A compact index** (``CompactIndex``, 44 bytes an entry plus its table cell). Scanned
   entries are linked coldest first when the scan ends; until then eviction has nothing to
   go on, which is why ``collect`` waits.
-* **Incremental freshness.** The walk lists one page per step (one top-level directory,
-  one S3 listing page) and reconciles it with the index: objects other nodes wrote are
-  added, objects gone from the page's key range (and not recorded since the listing
-  began) are dropped, and (exact listings) newer stamps are taken. ``expire`` walks at
-  most ``tick_objects`` listed objects per call (whole pages; a pass ends a call), so a
-  full pass takes ``ceil(objects / tick_objects)`` heartbeats and no heartbeat lists the
-  world; ``collect`` takes one page every ``walk_interval`` seconds.
+* **Incremental freshness, bounded ticks.** The walk (``kvtier.tiers.walk``) lists one
+  page per step (one leaf directory, one S3 listing page) and reconciles it with the
+  index: objects other nodes wrote are added, objects gone from the pages' key range
+  (and not recorded since the listing began) are dropped, and (exact listings) newer
+  stamps are taken. One tick (an ``expire`` call, or ``collect``'s walk step every
+  ``walk_interval`` seconds) stops at the first page boundary after ``tick.objects``
+  listed objects or ``tick.seconds`` (the injected clock), or at the end of a pass, and
+  the next tick resumes at the next page. A full pass takes about its listing cost /
+  ``tick.seconds`` ticks (``walk.last_pass`` measures it); no heartbeat lists the world.
 * **Re-checks before deletion.** ``collect`` and ``expire`` decide on an index snapshot,
   then ask the store for each victim's stamp (``heads``), keep those another node used at
   or after the decision's bound, keep those this node recorded anything for since the
@@ -71,13 +75,17 @@ from kvtier.tiers.transport import (
     Transport,
     Version,
 )
+from kvtier.tiers.walk import UNBOUNDED, TickBudget, Walk
 
 log = logging.getLogger("kvtier.objtier")
 
 #: Leeway between a node's clock and a store's listing times (S3 LastModified).
 CLOCK_SKEW_S = 60.0
-#: Listed objects one ``expire`` call walks at most (whole pages).
+#: What one tick of the walk (an ``expire`` call, ``collect``'s walk step) costs at most:
+#: listed objects, and seconds (the first page boundary after them).
 TICK_OBJECTS = 20_000
+TICK_SECONDS = 1.0
+DEFAULT_TICK = TickBudget(TICK_OBJECTS, TICK_SECONDS)
 #: Victims one ``collect`` round considers at most.
 COLLECT_MAX = 4096
 _FILL_BATCH = 512  # scanned entries added per index lock hold
@@ -101,7 +109,8 @@ class ObjectTier:
 
     def __init__(
         self, transport: Transport, capacity_bytes: int, *, name: str, clock: Clock,
-        touch_interval: float, low_watermark: float, tick_objects: int = TICK_OBJECTS,
+        touch_interval: float, low_watermark: float,
+        tick: TickBudget = DEFAULT_TICK,
         walk_interval: float = 30.0, scan_rate: float = 0.0,
     ) -> None:
         """Subclasses call ``_open`` once their transport is ready."""
@@ -113,15 +122,14 @@ class ObjectTier:
         self._clock = clock
         self._touch_interval = touch_interval
         self._low_watermark = low_watermark
-        self._tick_objects = max(1, tick_objects)
+        self._tick = tick
         self._walk_interval = walk_interval
         self.metrics = TierMetrics(name)
         self.index = CompactIndex()
         self._collecting = threading.Lock()  # one collection at a time; held across I/O
-        self._cursor: object | None = None  # the walk's next page
+        #: The walk (used under ``_collecting`` only).
+        self.walk = Walk(transport, self.index, clock, self._fault, name=name)
         self._next_walk = clock.monotonic() + walk_interval
-        #: Full passes the walk has completed (tests, benchmarks).
-        self.passes = 0
         self._ready = threading.Event()
         self._scan_rate = scan_rate
         self._closing = threading.Event()  # set by close: the start scan stops
@@ -134,21 +142,24 @@ class ObjectTier:
 
     # -- start scan ----------------------------------------------------------------------
     def _open(self, background: bool) -> None:
-        """List the first page here (raises the transport's fault if the store cannot be
-        listed), the rest here or, with ``background``, on a thread of its own."""
+        """Check that the store can be listed (one call of constant cost; raises the
+        transport's fault if not), then scan it here or, with ``background``, on a
+        thread of its own."""
         self.metrics.index_scan(0, ready=False)
         t0 = time.perf_counter()
-        first = self.transport.page(None)
-        if background and first.next is not None:
-            threading.Thread(target=self._fill, args=(first, t0), name=f"{self._name}-index",
+        self.transport.check_listing()
+        if background:
+            threading.Thread(target=self._fill, args=(t0,), name=f"{self._name}-index",
                              daemon=True).start()
         else:
-            self._fill(first, t0)
+            self._fill(t0)
 
-    def _fill(self, page: Page, t0: float) -> None:
+    def _fill(self, t0: float) -> None:
         n = 0
+        cursor: object | None = None
         try:
             while True:
+                page = self.transport.page(cursor)
                 for i in range(0, len(page.objects), _FILL_BATCH):
                     self.index.add_scanned(page.objects[i : i + _FILL_BATCH])
                 n += len(page.objects)
@@ -156,7 +167,7 @@ class ObjectTier:
                 wait = scan_delay(n, time.perf_counter() - t0, self._scan_rate)
                 if page.next is None or self._closing.wait(wait):
                     break
-                page = self.transport.page(page.next)
+                cursor = page.next
         except Exception as e:  # the thread must end ready: the walk finds the rest
             self._fault("scan", e)
             log.warning("%s: the start scan stopped after %d objects (%s); the walk "
@@ -353,8 +364,13 @@ class ObjectTier:
         return TierUsage(len(self.index), self._used(), self.capacity)
 
     # -- capacity ------------------------------------------------------------------------
+    @property
+    def passes(self) -> int:
+        """Full passes the walk has completed (tests, benchmarks)."""
+        return self.walk.passes
+
     def collect(self) -> int:
-        """Walk one page if ``walk_interval`` has passed, then delete least recently used
+        """Walk one tick if ``walk_interval`` has passed, then delete least recently used
         objects until usage is under the low watermark. Returns bytes freed; 0 at once if
         another thread is collecting or the start scan is still running."""
         if not self._collecting.acquire(blocking=False):
@@ -365,7 +381,7 @@ class ObjectTier:
             now = self._clock.monotonic()
             if now >= self._next_walk:
                 self._next_walk = now + self._walk_interval
-                for _ in self._walk(1, "collect"):
+                for _ in self.walk.tick(self._tick, "collect"):
                     pass
             self._before_collect()
             return self._evict_coldest()
@@ -442,54 +458,11 @@ class ObjectTier:
         self._report_used()
         return n, freed
 
-    # -- the walk ------------------------------------------------------------------------
-    def _walk(self, budget: int, op: str) -> Iterator[Page]:
-        """Pages from the walk's cursor, reconciled with the index, until ``budget``
-        objects were listed or a whole pass was walked (from the start of a pass: its
-        end; from its middle: the end of the next one, so every object was seen). A fault
-        ends it (counted as ``op``)."""
-        listed = 0
-        ends = 1 if self._cursor is None else 2
-        while listed < budget:
-            mark = self.index.mark()
-            try:
-                page = self.transport.page(self._cursor)
-            except self.transport.faults as e:
-                self._fault(op, e)
-                return
-            self._reconcile(page, mark)
-            self._cursor = page.next
-            listed += len(page.objects)
-            yield page
-            if page.next is None:
-                self.passes += 1
-                ends -= 1
-                if not ends:
-                    return
-
-    def _reconcile(self, page: Page, mark: int) -> None:
-        """Take what ``page`` (listed after ``mark``) says: objects other nodes wrote,
-        newer stamps (exact listings), sizes; drop entries of its range it did not list,
-        unless recorded since the mark."""
-        listed = set()
-        exact = self.transport.exact_listing
-        for obj in page.objects:
-            listed.add(obj.key)
-            e = self.index.get(obj.key)
-            if e is None:
-                self.index.remember(obj.key, obj.size, obj.used)
-            elif (exact and obj.used > e.last_used + 1e-3) or obj.size != e.size:
-                self.index.replace_if(obj.key, e, obj.size,
-                                      max(obj.used, e.last_used) if exact else e.last_used)
-        for key, e in self.index.in_range(page.lo, page.hi):
-            if key not in listed and not CompactIndex.changed_since(e, mark):
-                self.index.forget_if(key, e)
-
     def rescan(self) -> None:
         """Walk one whole pass from the start now (other nodes' writes, removals)."""
         with self._collecting:
-            self._cursor = None
-            for _ in self._walk(1 << 62, "scan"):
+            self.walk.restart()
+            for _ in self.walk.tick(UNBOUNDED, "scan"):
                 pass
             self._report_used()
 
@@ -524,14 +497,18 @@ class ObjectTier:
         self.index.remember(key, st.size, now, now)
         return True
 
-    def expire(self, lease_seconds: float) -> int:
-        """One tick of expiry: walk up to ``tick_objects`` listed objects (whole pages; the
-        end of a pass ends the tick) and remove those not used or renewed for
-        ``lease_seconds``, re-checking each first. Returns how many were removed."""
+    def expire(self, lease_seconds: float, *, whole_pass: bool = False) -> int:
+        """One tick of expiry: walk one tick's pages (``tick``: listed objects, seconds;
+        the end of a pass ends it too) and remove the objects on them not used or renewed
+        for ``lease_seconds``, re-checking each first. ``whole_pass`` (tools): one whole
+        pass from the start instead. Returns how many were removed."""
         with self._collecting:
+            if whole_pass:
+                self.walk.restart()
             cutoff = self._clock.wall() - lease_seconds
+            budget = UNBOUNDED if whole_pass else self._tick
             n = sum(self._expire_page(page, cutoff)
-                    for page in self._walk(self._tick_objects, "expire"))
+                    for page in self.walk.tick(budget, "expire"))
             self._report_used()
         return n
 

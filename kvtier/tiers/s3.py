@@ -63,7 +63,7 @@ from kvtier.iopool import IOPool, IOPoolClosed
 from kvtier.keys import ChunkKey, key_from_hex
 from kvtier.tiers.base import TierError
 from kvtier.tiers.compact import key_int
-from kvtier.tiers.objtier import TICK_OBJECTS, ObjectTier
+from kvtier.tiers.objtier import DEFAULT_TICK, ObjectTier
 from kvtier.tiers.s3caps import USED, Conditionals, Deleter, Mode, Victim, resolve, used
 from kvtier.tiers.s3check import check_bucket
 from kvtier.tiers.s3io import (
@@ -77,6 +77,7 @@ from kvtier.tiers.s3io import (
     make_client,
 )
 from kvtier.tiers.transport import KEY_SPACE_END, Listed, Outcome, Page, Stat, Version
+from kvtier.tiers.walk import TickBudget
 
 log = logging.getLogger("kvtier.s3")
 
@@ -186,6 +187,10 @@ class S3Transport:
             else Victim(self.object_name(k), str(st.version), st.used) for k, st in victims])
         return {by_name[n]: o for n, o in removal.outcomes.items()}, removal.fault
 
+    def check_listing(self) -> None:
+        self.io.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}kv/",
+                                       MaxKeys=1)
+
     def page(self, cursor: object | None) -> Page:
         """One listing page; the cursor is ``(continuation token, first key number)``."""
         token, lo = cursor if isinstance(cursor, tuple) else (None, 0)
@@ -231,11 +236,13 @@ class S3Tier(ObjectTier):
         setting: str = "s3",
         conditionals: Mode = "auto",
         background_index: bool = False,
-        tick_objects: int = TICK_OBJECTS,
+        tick: TickBudget = DEFAULT_TICK,
         scan_rate: float = 0.0,
     ) -> None:
-        """``background_index``: return after the first listing page and fill the index
-        on a thread (an engine start); else the constructor lists the whole prefix.
+        """``background_index``: return once a one-key listing shows the prefix can be
+        listed and fill the index on a thread (an engine start); else the constructor
+        lists the whole prefix. ``tick``: what one tick of expiry or collection walks at
+        most.
         ``scan_rate``: objects per second the start scan lists at most (0: no limit)."""
         self.bucket = bucket
         self.prefix = "".join(f"{p}/" for p in prefix.split("/") if p)  # "/a//b" -> "a/b/"
@@ -275,7 +282,7 @@ class S3Tier(ObjectTier):
         self.objects = S3Transport(self.io, self.prefix, self.conditionals)
         super().__init__(self.objects, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick_objects=tick_objects, scan_rate=scan_rate)
+                         tick=tick, scan_rate=scan_rate)
         try:
             self._open(background_index)
         except S3_ERRORS as e:

@@ -12,10 +12,13 @@ Invariants every transport keeps:
   returns its length and that version; ``discard`` and ``remove`` delete an object only
   while it is still the version named (where the store lets that be checked; each
   transport states its window).
-* ``page(cursor)`` lists one bounded slice of the store: one of the 256 top-level
-  directories, or one listing page. Pages cover the key space in ascending order; a page
-  says which key range ``[lo, hi]`` it covers (every object there is listed) and the
-  cursor of the next page, ``None`` after the last (a full pass).
+* ``page(cursor)`` lists one small bounded slice of the store: one leaf directory
+  (``kv/xx/yy``), or one listing page. Pages cover the key space in ascending order; a
+  page says which key range ``[lo, hi]`` it covers (every object there is listed; the
+  ranges of consecutive pages are contiguous) and the cursor of the next page, ``None``
+  after the last (a full pass).
+* ``check_listing`` costs one call whatever the store holds (it lists nothing but at
+  most one entry): what a tier's constructor may afford at ten million objects.
 * Faults of the store raise one of ``faults`` (the core counts them and turns them into
   misses); nothing else is raised for I/O.
 * Any thread may call any method.
@@ -118,6 +121,10 @@ class Transport(Protocol):
     def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         """Delete each victim while it is still the version of its stat (None: any)."""
+        ...
+
+    def check_listing(self) -> None:
+        """Raise a fault unless the store can be listed (one call, constant cost)."""
         ...
 
     def page(self, cursor: object | None) -> Page: ...

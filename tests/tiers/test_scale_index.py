@@ -4,6 +4,7 @@ writes and removals. Time is a ``ManualClock``; the start scan is held on an eve
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
 from kvtier.tiers.objtier import scan_delay
 from kvtier.tiers.transport import Page
+from kvtier.tiers.walk import TickBudget
 from tests.tiers.harness import make_key, meta_for, payload_for
 
 SAFETY_S = 30.0  # only a deadlock gets there
@@ -145,15 +147,18 @@ def _fill(root: Path, clock: ManualClock, n: int) -> list[ChunkKey]:
 
 
 class HeldScan:
-    """Holds a tier's start scan after its first page until ``release()``."""
+    """Holds a tier's start scan before its first page until ``release()``; records the
+    threads that list pages."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered, self._go = threading.Event(), threading.Event()
+        self.listers: set[str] = set()
 
         real_page = FileTransport.page
 
         def page(transport: FileTransport, cursor: object | None) -> Page:
-            if cursor is not None and threading.current_thread().name.endswith("-index"):
+            self.listers.add(threading.current_thread().name)
+            if threading.current_thread().name.endswith("-index"):
                 self.entered.set()
                 assert self._go.wait(SAFETY_S)
             return real_page(transport, cursor)
@@ -175,11 +180,14 @@ def test_a_tier_serves_before_its_index_is_complete(
     tmp_path: Path, clock: ManualClock, held: HeldScan
 ) -> None:
     keys = _fill(tmp_path, clock, 40)
+    held.listers.clear()
     tier = FileTier(tmp_path, 1 << 40, clock=clock, background_index=True)
     assert held.entered.wait(SAFETY_S)
+    assert held.listers == {"file-index"}, "the constructor listed a page itself"
     assert not tier.index_ready and not tier.metrics.index_ready
+    assert tier.metrics.index_scanned == 0
     unscanned = [k for k in keys if not tier.indexed(k)]
-    assert unscanned, "the first page is all the scan did so far"
+    assert unscanned == keys, "nothing is indexed before the scan's first page"
     assert tier.contains_prefix(unscanned[:1]) == 1  # asked of the directory itself
     assert tier.indexed(unscanned[0])
     assert tier.collect() == 0  # usage is not known yet: nothing is collected
@@ -206,7 +214,8 @@ def test_a_rate_limited_start_scan_serves_probes_and_stops_at_close(
 ) -> None:
     keys = _fill(tmp_path, clock, 40)  # one object in each of 40 top-level directories
     tier = FileTier(tmp_path, 1 << 40, clock=clock, background_index=True, scan_rate=1.0)
-    # The first page (one object) was listed; the next waits until 1 object/s allows it.
+    # At most the first page (one object) was listed; the next waits until 1 object/s
+    # allows it.
     assert not tier.index_ready and tier.metrics.index_scanned <= 2
     late = keys[-1]
     assert not tier.indexed(late)
@@ -234,14 +243,14 @@ def test_expiry_walks_a_bounded_slice_per_tick_and_a_pass_in_known_ticks(
     tmp_path: Path, clock: ManualClock
 ) -> None:
     keys = _fill(tmp_path, clock, 60)
-    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick_objects=1)  # one page per tick
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick=TickBudget(1, math.inf))
     clock.advance(1000)
     removed, ticks = 0, 0
     while tier.passes == 0:
         removed += tier.expire(500)
         ticks += 1
-    # A tick ends once it listed tick_objects (here: at the first non-empty directory);
-    # each key has a top-level directory of its own, and one last tick ends the pass.
+    # A tick ends once it listed tick.objects (here: at the first non-empty leaf); each
+    # key has a top-level directory of its own, and one last tick ends the pass.
     assert ticks == len(keys) + 1
     assert removed == len(keys) and tier.usage().objects == 0
 
