@@ -286,9 +286,14 @@ class TieredStore:
         down, or every tier at its read bound: asking would only queue behind a hang.)"""
         return any(b.available() for b in self.breakers)
 
+    def indexes_filling(self) -> bool:
+        """Memory only: some lower tier's start scan is still running, so its index does
+        not know everything it holds yet (the first seconds after a restart)."""
+        return any(not getattr(lt.tier, "index_ready", True) for lt in self.lower)
+
     def probe(
         self, keys: Sequence[ChunkKey], *, progress: LoadProgress | None = None,
-        fresh: bool = False,
+        fresh: bool = False, alternatives: bool = False,
     ) -> Future[int] | None:
         """Ask the lower tiers themselves (on a probe thread) how many of
         ``keys`` lead a stored prefix: objects other nodes wrote, which this process's
@@ -300,7 +305,9 @@ class TieredStore:
         that no tier had within ``PROBE_MISS_TTL_S`` ends the answer without asking
         again (unless ``fresh``: a P/D decode waiting for a key to appear). Once
         ``progress`` is cancelled (the caller's deadline) the probe asks nothing more.
-        Memory only on the calling thread."""
+        With ``alternatives`` the keys are not a chain but candidates (the tails of one
+        chunk, longest first): a miss does not end the answer, and every key is asked;
+        the answer counts the hits. Memory only on the calling thread."""
         keys = list(keys)
         clock = self.host.clock
 
@@ -315,6 +322,8 @@ class TieredStore:
                 missed = self._probe_misses.get(key)
                 if not fresh and missed is not None and \
                         clock.monotonic() - missed < PROBE_MISS_TTL_S:
+                    if alternatives:
+                        continue
                     break
                 if any(self._ask(lt.tier, key) for lt in self.lower):
                     n += 1
@@ -324,7 +333,8 @@ class TieredStore:
                     self._probe_misses.move_to_end(key)
                     while len(self._probe_misses) > PROBE_MISS_MAX:
                         self._probe_misses.popitem(last=False)
-                break
+                if not alternatives:
+                    break
             return n
 
         return self.probe_io.submit_store(job)

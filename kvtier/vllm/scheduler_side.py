@@ -145,6 +145,8 @@ class _Lookup:
     pieces: list[Piece] = field(default_factory=list)
 
 
+#: ``_probes`` key suffix of a request's probe for its tail (after the chunks' probe).
+TAIL_PROBE = "\x00tail"
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
 PROBE_INTERVAL_S = 0.05
 #: Staged chunks of requests vLLM has not admitted yet may hold at most this fraction of
@@ -318,19 +320,24 @@ class SchedulerSide:
         return tail_key(keys[chunk - 1] if chunk else ident.namespace,
                         request.all_token_ids[lo : lo + blocks * self.bs], extra)
 
+    def _tail_candidates(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
+                         num_computed: int, limit: int) -> list[tuple[int, ChunkKey]]:
+        """``(blocks, key)`` of every tail of chunk ``chunk`` that would restore something
+        past ``num_computed`` below ``limit``, longest first (at most ``blocks_per_chunk
+        - 1`` keys hashed)."""
+        lo = chunk * self.ct
+        if not self.tails or lo >= limit or chunk > len(keys):
+            return []
+        most = min(self.bpc - 1, (request.num_tokens - lo) // self.bs)
+        return [(k, self._tail_key(request, keys, chunk, k)) for k in range(most, 0, -1)
+                if lo + k * self.bs > num_computed]
+
     def _find_tail(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
                    num_computed: int, limit: int) -> _Tail | None:
         """The longest stored tail of chunk ``chunk`` (the first one not stored whole)
         that would restore something past ``num_computed`` below ``limit``. Memory only:
-        at most ``blocks_per_chunk - 1`` keys hashed and looked up in the indexes."""
-        lo = chunk * self.ct
-        if not self.tails or lo >= limit or chunk > len(keys):
-            return None
-        most = min(self.bpc - 1, (request.num_tokens - lo) // self.bs)
-        for k in range(most, 0, -1):
-            if lo + k * self.bs <= num_computed:
-                break  # vLLM computed this much already
-            key = self._tail_key(request, keys, chunk, k)
+        the candidates looked up in the indexes."""
+        for k, key in self._tail_candidates(request, keys, chunk, num_computed, limit):
             found = self.store.lookup_indexed([key])
             if found.hits:
                 return _Tail(chunk, k, key, found.tiers[0])
@@ -375,6 +382,15 @@ class SchedulerSide:
         waited = self.clock.monotonic() - self._waiting.pop(rid, self.clock.monotonic())
         t0 = time.perf_counter() - waited
         tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
+        if tail is None and self.tails and self.store.indexes_filling():
+            # A lower tier's index is still filling (a restart): the tail may be stored
+            # and not indexed yet. Its candidates are asked once, like the chunks were.
+            cands = self._tail_candidates(request, keys, first + hit.hits, num_computed,
+                                          limit)
+            if self._probing(rid + TAIL_PROBE, [k for _, k in cands], False,
+                             alternatives=True):
+                return None, False
+            tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
         if hit.hits == 0 and tail is None:
             return 0, False
         own = self._own_threshold(request)
@@ -616,6 +632,7 @@ class SchedulerSide:
         self._forget(rid)
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
+        self._probes.pop(rid + TAIL_PROBE, None)
         self._async_blocks.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
@@ -741,7 +758,8 @@ class SchedulerSide:
         # request (vLLM cannot map block-level errors to requests across groups)
         return ext, bool(self.geom.groups)
 
-    def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool) -> bool:
+    def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool, *,
+                 alternatives: bool = False) -> bool:
         """Ask the lower tiers about ``beyond`` (the chunks past what the indexes know) on
         an IO thread; True while the answer is pending: the hook then answers "ask again".
 
@@ -758,7 +776,8 @@ class SchedulerSide:
             if not self.store.can_probe():
                 return False  # every lower tier is down or busy: the indexes answer
             progress = LoadProgress(self.clock)
-            fut = self.store.probe(beyond, progress=progress, fresh=waiting)
+            fut = self.store.probe(beyond, progress=progress, fresh=waiting,
+                                   alternatives=alternatives)
             if fut is None:
                 log.debug("kvtier: probe queue full; %s answered from the indexes", rid)
                 return False
@@ -900,6 +919,7 @@ class SchedulerSide:
         self._forget(rid)
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
+        self._probes.pop(rid + TAIL_PROBE, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
         n_blocks = min(request.num_computed_tokens // self.bs, len(block_ids))

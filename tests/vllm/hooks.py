@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.clock import ManualClock
-from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, SchedulerSide
+from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, TAIL_PROBE, SchedulerSide
 
 
 class Blocks:
@@ -29,11 +29,12 @@ def ask(sched: SchedulerSide, req: SimpleNamespace, num_computed: int = 0) -> in
     if isinstance(sched.clock, ManualClock):
         sched.clock.advance(PROBE_INTERVAL_S)
     n: int | None = None
-    for _ in range(4):
+    for _ in range(6):  # a probe of the chunks, one of the tail, the staging
         n, _ = sched.get_num_new_matched_tokens(req, num_computed)
-        probe = sched._probes.get(req.request_id)
+        probes = [p for rid, p in sched._probes.items()
+                  if rid.split(TAIL_PROBE)[0] == req.request_id]
         lk = sched._lookups.get(req.request_id)
-        futures: list[Future[Any] | None] = [probe.future if probe else None,
+        futures: list[Future[Any] | None] = [*(p.future for p in probes),
                                              lk.future if lk else None]
         pending = [f for f in futures if f is not None and not f.done()]
         if n is not None or not pending:
