@@ -182,16 +182,23 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1,
             raise TierError(f"kvtier cannot store KV of {kind} layers (no {attr})")
     return Geometry(
         num_layers=len(groups[0].layer_names),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_size=int(spec.head_size),
-        block_size=int(spec.block_size),
-        page_bytes=int(spec.page_size_bytes),
-        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        **_page_fields(spec),
         tp_world=tp_world,
         replicated=kind == "MLAAttentionSpec",
-        head_size_v=_head_size_v(spec),
         window=window,
     )
+
+
+def _page_fields(spec: Any) -> dict[str, Any]:
+    """The ``Geometry`` fields a KV-cache spec gives for each of its layers' blocks."""
+    return {
+        "num_kv_heads": int(spec.num_kv_heads),
+        "head_size": int(spec.head_size),
+        "block_size": int(spec.block_size),
+        "page_bytes": int(spec.page_size_bytes),
+        "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "head_size_v": _head_size_v(spec),
+    }
 
 
 def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geometry:
@@ -213,16 +220,13 @@ def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geomet
                 "). kvtier stores hybrid models whose groups are full and sliding-window "
                 "attention. Run this model without kvtier"
             )
-        for attr in ("block_size", "page_size_bytes", "num_kv_heads", "head_size", "dtype"):
-            if getattr(spec, attr) != getattr(first, attr):
+        mine, base = _page_fields(spec), _page_fields(first)
+        for attr, value in mine.items():
+            if value != base[attr]:
                 raise TierError(
                     f"kvtier cannot store the KV of {model}: its KV-cache groups differ in "
-                    f"{attr} ({getattr(first, attr)} vs {getattr(spec, attr)} in group "
-                    f"{i}); run it without kvtier"
+                    f"{attr} ({base[attr]} vs {value} in group {i}); run it without kvtier"
                 )
-        if _head_size_v(spec) != _head_size_v(first):
-            raise TierError(f"kvtier cannot store the KV of {model}: its KV-cache groups "
-                            "differ in V's head size; run it without kvtier")
         window = 0
         if kind == "SlidingWindowSpec":
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
@@ -230,13 +234,8 @@ def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geomet
         _part(names, "|".join(g.layer_names).encode())
     return Geometry(
         num_layers=max(s.layers for s in shapes),
-        num_kv_heads=int(first.num_kv_heads),
-        head_size=int(first.head_size),
-        block_size=int(first.block_size),
-        page_bytes=int(first.page_size_bytes),
-        kv_dtype=str(first.dtype).removeprefix("torch."),
+        **_page_fields(first),
         tp_world=tp_world,
-        head_size_v=_head_size_v(first),
         groups=tuple(shapes),
         group_layers=names.hexdigest(),
     )

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,23 +289,27 @@ class SchedulerSide:
             ))
         return cached.identity.namespace, have[:n]
 
-    def _spec(self, ns: bytes) -> ChunkSpec:
-        """What every chunk of a request with namespace digest ``ns`` must be, exactly."""
-        # every TP rank's part, rank after rank (one rank: the pre-TP shape, so objects
-        # stored before TP support stay readable)
-        shape: tuple[int, ...] = (self.geom.num_layers, self.bpc, self.geom.page_bytes)
-        if self.geom.slot_ranks > 1:
-            shape = (self.geom.slot_ranks, *shape)
-        return ChunkSpec(ns, self.ct, self.geom.kv_dtype, shape, self.slot_bytes)
-
-    def _tail_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
-        """What a tail of ``blocks`` blocks must be: every rank's first ``blocks`` blocks
-        of every layer, packed (``StepCopier.slot``), and nothing else."""
-        shape: tuple[int, ...] = (self.geom.num_layers, blocks, self.geom.page_bytes)
+    def _group_spec(self, ns: bytes, group: int, blocks: int) -> ChunkSpec:
+        """What a piece of ``blocks`` blocks of KV-cache group ``group`` (0 with one group)
+        of a request with namespace digest ``ns`` must be, exactly: every TP rank's first
+        ``blocks`` blocks of that group's layers, rank after rank, packed
+        (``StepCopier.slot``), and nothing else. One rank: the pre-TP shape, so objects
+        stored before TP support stay readable."""
+        layers = self.geom.group_layer_count(group)
+        shape: tuple[int, ...] = (layers, blocks, self.geom.page_bytes)
         if self.geom.slot_ranks > 1:
             shape = (self.geom.slot_ranks, *shape)
         return ChunkSpec(ns, blocks * self.bs, self.geom.kv_dtype, shape,
-                         self.slot_bytes // self.bpc * blocks)
+                         self.geom.slot_ranks * layers * blocks * self.geom.page_bytes)
+
+    def _spec(self, ns: bytes) -> ChunkSpec:
+        """What every whole chunk of a single-group model must be."""
+        return self._group_spec(ns, 0, self.bpc)
+
+    def _tail_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
+        """What a tail (or a window part) of ``blocks`` blocks must be: a chunk's shape
+        over its first ``blocks`` blocks (a whole chunk's spec when ``blocks`` is all)."""
+        return self._group_spec(ns, 0, blocks)
 
     def _meta(self, ns: bytes, keys: Sequence[ChunkKey], c: int) -> ChunkMeta:
         return self._spec(ns).meta(keys[c], keys[c - 1] if c else None)
@@ -424,43 +428,68 @@ class SchedulerSide:
         return lk
 
     # -- sliding-window models (``window.py``) -----------------------------------------------
-    def _part_spec(self, ns: bytes, blocks: int) -> ChunkSpec:
-        """A window part of ``blocks`` blocks: a whole chunk's shape, or a tail's."""
-        return self._spec(ns) if blocks == self.bpc else self._tail_spec(ns, blocks)
-
     def _window_keys(self, end_key: ChunkKey, end: int) -> tuple[list[tuple[int, int]],
                                                                  list[ChunkKey]]:
         """The parts of the window of a hit of ``end`` tokens, and their keys."""
         parts = window_parts(end // self.bs, self.geom.window_blocks, self.bpc)
         return parts, [window_key(end_key, i, len(parts)) for i in range(len(parts))]
 
-    def _find_window(self, request: Any, keys: Sequence[ChunkKey], num_computed: int,
-                     limit: int) -> tuple[int, list[tuple[int, int]], Lookup] | None:
-        """The longest prefix past ``num_computed``, at most ``limit`` tokens, whose window
-        is stored whole: its end, the window's parts and where they are. Ends of saves are chunk
-        boundaries (each costs hashing one key of 16 bytes) and, with tails, block
-        boundaries inside a chunk (each costs hashing up to a chunk's tokens): those are
-        tried in the ``WINDOW_TAIL_CHUNKS`` highest chunks only. Memory only."""
+    def _save_ends(self, top: int, num_computed: int, limit: int) -> Iterator[int]:
+        """Where a saved prefix may end, past ``num_computed`` and at most ``limit`` tokens,
+        longest first, from chunk ``top`` down: chunk boundaries (each costs hashing one
+        key of 16 bytes) and, with tails, block boundaries inside a chunk (each costs
+        hashing up to a chunk's tokens), those in the ``WINDOW_TAIL_CHUNKS`` highest
+        chunks only."""
         tail_chunks = WINDOW_TAIL_CHUNKS if self.tails else 0
-        for n in range(min(limit // self.ct, len(keys)), -1, -1):
-            ends: list[tuple[int, ChunkKey | None]] = []
+        for n in range(top, -1, -1):
+            ends: list[int] = []
             if tail_chunks > 0:
                 tail_chunks -= 1
-                ends += [(n * self.ct + k * self.bs, None) for k in range(self.bpc - 1, 0, -1)]
+                ends += [n * self.ct + k * self.bs for k in range(self.bpc - 1, 0, -1)]
             if n:
-                ends.append((n * self.ct, keys[n - 1]))
-            for end, key in ends:
+                ends.append(n * self.ct)
+            for end in ends:
                 if end > limit:
                     continue
                 if end <= num_computed:
-                    return None
-                if key is None:
-                    key = self._tail_key(request, keys, n, (end - n * self.ct) // self.bs)
-                parts, part_keys = self._window_keys(key, end)
-                hit = self.store.lookup_indexed(part_keys)
-                if hit.hits == len(part_keys):
-                    return end, parts, hit
+                    return
+                yield end
+
+    def _end_key(self, request: Any, keys: Sequence[ChunkKey], end: int) -> ChunkKey:
+        """The chain key of the chunk or tail that ends at token ``end``."""
+        n, rest = divmod(end, self.ct)
+        return self._tail_key(request, keys, n, rest // self.bs) if rest else keys[n - 1]
+
+    def _find_window(self, request: Any, keys: Sequence[ChunkKey], num_computed: int,
+                     limit: int) -> tuple[int, list[tuple[int, int]], Lookup] | None:
+        """The longest prefix past ``num_computed``, at most ``limit`` tokens, whose window
+        is stored whole (ends as ``_save_ends`` tries them): its end, the window's parts
+        and where they are. Memory only."""
+        for end in self._save_ends(min(limit // self.ct, len(keys)), num_computed, limit):
+            parts, part_keys = self._window_keys(self._end_key(request, keys, end), end)
+            hit = self.store.lookup_indexed(part_keys)
+            if hit.hits == len(part_keys):
+                return end, parts, hit
         return None
+
+    def _stage_whole(self, request: Any, keys: list[ChunkKey], first: int,
+                     num_computed: int, end: int, found: Lookup, specs: list[ChunkSpec],
+                     **staged: Any) -> _Lookup | tuple[int | None, bool]:
+        """Start staging ``found`` (a prefix restored whole or not at all: a window, a
+        hybrid prefix) ending at token ``end``: its ``_Lookup`` (with ``staged``'s
+        fields), or the hook's answer when it restores less than the fixed threshold (0)
+        or staged KV is waiting for admission (None)."""
+        own = self._own_threshold(request)
+        fixed = own if own is not None else self.policy.fixed_tokens
+        if end - num_computed < max(1, fixed or 1):
+            return 0, False
+        held = self._staged_chunks()
+        if held and held + len(specs) > self._staged_cap:
+            return None, False
+        lk = _Lookup(keys, first, threshold=own, progress=LoadProgress(self.clock),
+                     chunks=len(specs), end=end, **staged)
+        lk.future = self.store.load(found, specs, lk.progress)
+        return lk
 
     def _window_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
                       num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
@@ -472,18 +501,8 @@ class SchedulerSide:
         if found is None:
             return 0, False
         end, parts, hit = found
-        own = self._own_threshold(request)
-        fixed = own if own is not None else self.policy.fixed_tokens
-        if end - num_computed < max(1, fixed or 1):
-            return 0, False
-        staged = self._staged_chunks()
-        if staged and staged + len(parts) > self._staged_cap:
-            return None, False
-        lk = _Lookup(keys, 0, threshold=own, progress=LoadProgress(self.clock),
-                     chunks=len(parts), end=end, parts=parts)
-        lk.future = self.store.load(hit, [self._part_spec(ns, b) for _, b in parts],
-                                    lk.progress)
-        return lk
+        return self._stage_whole(request, keys, 0, num_computed, end, hit,
+                                 [self._tail_spec(ns, b) for _, b in parts], parts=parts)
 
     def _window_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[int],
                       num_external: int) -> None:
@@ -506,23 +525,12 @@ class SchedulerSide:
                                           n if n < self.bpc else 0))
 
     # -- hybrid models (``hybrid.py``) ------------------------------------------------------
-    def _group_spec(self, ns: bytes, group: int, blocks: int) -> ChunkSpec:
-        """What a hybrid model's piece of group ``group`` and ``blocks`` blocks must be:
-        every rank's first ``blocks`` blocks of that group's layers, packed."""
-        layers = self.geom.group_layer_count(group)
-        shape: tuple[int, ...] = (layers, blocks, self.geom.page_bytes)
-        if self.geom.slot_ranks > 1:
-            shape = (self.geom.slot_ranks, *shape)
-        return ChunkSpec(ns, blocks * self.bs, self.geom.kv_dtype, shape,
-                         self.geom.slot_ranks * layers * blocks * self.geom.page_bytes)
-
     def _hybrid_pieces(self, request: Any, keys: Sequence[ChunkKey], end: int,
                        lo_block: int) -> list[Piece]:
         """The pieces of the prefix of ``end`` tokens that hold blocks past ``lo_block``
         (vLLM's own hit), in chain order."""
         n, rest = divmod(end, self.ct)
-        tail = (rest // self.bs, self._tail_key(request, keys, n, rest // self.bs)) if rest \
-            else None
+        tail = (rest // self.bs, self._end_key(request, keys, end)) if rest else None
         pieces = prefix_pieces(self.geom, self.bpc, keys[:n], tail,
                                start_chunk=lo_block // self.bpc)
         return [p for p in pieces if p.first + p.blocks > lo_block]
@@ -532,8 +540,8 @@ class SchedulerSide:
         """Start staging the longest stored prefix of a hybrid model's request past
         vLLM's own hit: every full-attention group's chunks (and tail) from that hit on,
         and every sliding-window group's window at its end (``hybrid.py``). Ends are
-        tried as ``_find_window`` does. Memory only; lower tiers are not probed (a prefix
-        another node stored is found once the index has it)."""
+        tried as ``_save_ends`` lists them. Memory only; lower tiers are not probed (a
+        prefix another node stored is found once the index has it)."""
         lo = num_computed // self.bs
         c0 = num_computed // self.ct
         full = full_groups(self.geom)
@@ -541,42 +549,14 @@ class SchedulerSide:
         if full:  # chunks from c0 on that every full group holds
             flat = [group_key(keys[c], g) for c in range(c0, top) for g in full]
             top = c0 + self.store.lookup_indexed(flat).hits // len(full)
-        tail_chunks = WINDOW_TAIL_CHUNKS if self.tails else 0
-        found: tuple[int, list[Piece], Lookup] | None = None
-        for n in range(top, -1, -1):
-            ends = []
-            if tail_chunks > 0:
-                tail_chunks -= 1
-                ends += [n * self.ct + k * self.bs for k in range(self.bpc - 1, 0, -1)]
-            if n:
-                ends.append(n * self.ct)
-            for end in ends:
-                if end > limit or end > request.num_tokens:
-                    continue
-                if end <= num_computed:
-                    break
-                pieces = self._hybrid_pieces(request, keys, end, lo)
-                hit = self.store.lookup_indexed([p.key for p in pieces])
-                if pieces and hit.hits == len(pieces):
-                    found = (end, pieces, hit)
-                    break
-            if found is not None or (n * self.ct <= num_computed):
-                break
-        if found is None:
-            return 0, False
-        end, pieces, hit = found
-        own = self._own_threshold(request)
-        fixed = own if own is not None else self.policy.fixed_tokens
-        if end - num_computed < max(1, fixed or 1):
-            return 0, False
-        staged = self._staged_chunks()
-        if staged and staged + len(pieces) > self._staged_cap:
-            return None, False
-        lk = _Lookup(keys, c0, threshold=own, progress=LoadProgress(self.clock),
-                     chunks=len(pieces), end=end, pieces=pieces)
-        lk.future = self.store.load(
-            hit, [self._group_spec(ns, p.group, p.blocks) for p in pieces], lk.progress)
-        return lk
+        for end in self._save_ends(top, num_computed, limit):
+            pieces = self._hybrid_pieces(request, keys, end, lo)
+            hit = self.store.lookup_indexed([p.key for p in pieces])
+            if pieces and hit.hits == len(pieces):
+                return self._stage_whole(
+                    request, keys, c0, num_computed, end, hit,
+                    [self._group_spec(ns, p.group, p.blocks) for p in pieces], pieces=pieces)
+        return 0, False
 
     def _hybrid_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[Sequence[int]],
                       num_external: int) -> None:
@@ -629,13 +609,7 @@ class SchedulerSide:
         if not self.geom.groups:
             return self.request_finished(request, block_ids[0])
         rid = request.request_id
-        self._forget(rid)
-        self._waiting.pop(rid, None)
-        self._probes.pop(rid, None)
-        self._probes.pop(rid + TAIL_PROBE, None)
-        self._async_blocks.pop(rid, None)
-        restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
-        seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
+        restored, restore_ms, seen_epoch = self._end_request(rid)
         full = full_groups(self.geom)
         held_blocks = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
         n_blocks = min(request.num_computed_tokens // self.bs, held_blocks)
@@ -916,12 +890,7 @@ class SchedulerSide:
         renewed), plus restore statistics.
         """
         rid = request.request_id
-        self._forget(rid)
-        self._waiting.pop(rid, None)
-        self._probes.pop(rid, None)
-        self._probes.pop(rid + TAIL_PROBE, None)
-        restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
-        seen_epoch = self._epoch_of.pop(rid, self.identities.epoch)
+        restored, restore_ms, seen_epoch = self._end_request(rid)
         n_blocks = min(request.num_computed_tokens // self.bs, len(block_ids))
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
@@ -957,6 +926,17 @@ class SchedulerSide:
         whole = n_chunks * self.slot_bytes + (tail.meta.payload_len if tail else 0)
         return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
                                        saved, whole)
+
+    def _end_request(self, rid: str) -> tuple[dict[str, int], float, int]:
+        """A finished (or aborted) request's per-request state is dropped: returns what it
+        restored (by tier), its staging time and the weights epoch it was first seen in."""
+        self._forget(rid)
+        self._waiting.pop(rid, None)
+        self._probes.pop(rid, None)
+        self._probes.pop(rid + TAIL_PROBE, None)
+        self._async_blocks.pop(rid, None)
+        restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
+        return restored, restore_ms, self._epoch_of.pop(rid, self.identities.epoch)
 
     def _params(self, rid: str, ns: bytes, tokens: int, last: ChunkKey | None,
                 restored: dict[str, int], restore_ms: float, saved: int,
@@ -998,8 +978,7 @@ class SchedulerSide:
         saved = whole = tokens = 0
         last: ChunkKey | None = None
         if end and _request_params(request).get("save") is not False:
-            last = (self._tail_key(request, keys, n_chunks, tail_blocks) if tail_blocks
-                    else keys[n_chunks - 1])
+            last = self._end_key(request, keys, end)
             parts, part_keys = self._window_keys(last, end)
             if not saveable(list(block_ids), parts):
                 record_drop("window_freed")
@@ -1008,7 +987,7 @@ class SchedulerSide:
                 # part i's parent is part i - 1, part 0's the piece ending the prefix:
                 # ``last_key`` names the last part, and a lease renewal walks the window
                 prevs = [last, *part_keys[:-1]]
-                pieces = [_Piece(k, self._part_spec(ns, n).meta(k, prev),
+                pieces = [_Piece(k, self._tail_spec(ns, n).meta(k, prev),
                                  list(block_ids[b : b + n]), n if n < self.bpc else 0)
                           for k, prev, (b, n) in zip(part_keys, prevs, parts, strict=True)]
                 stored = self.store.lookup_indexed(part_keys).hits

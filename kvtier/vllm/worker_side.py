@@ -84,9 +84,9 @@ class WorkerSide:
         self._created = False  # this worker created the pool (and removes its name)
         self.pool: torch.Tensor | None = None
         self._copiers: list[StepCopier] = []  # one per group
-        #: layer name -> (group, layer within the group)
-        self._layer_index = {name: (g, i) for g, names in enumerate(groups)
-                             for i, name in enumerate(names)}
+        #: layer name -> (group, layer within the group, index in ``layer_names``)
+        self._layer_index = {name: (g, i, flat) for flat, (g, i, name) in enumerate(
+            (g, i, name) for g, names in enumerate(groups) for i, name in enumerate(names))}
         # Loads: this step's per group (until wait_for_save), then copying until done.
         self._loads: dict[int, LayerLoads] | None = None
         self._loads_step = 0
@@ -263,7 +263,7 @@ class WorkerSide:
         load (correct, not pipelined)."""
         where = self._layer_index.get(layer_name)
         if where is not None:
-            self._waited[self._flat(where)] = True
+            self._waited[where[2]] = True
         if self._loads is None:
             return
         t0 = time.perf_counter()
@@ -273,10 +273,6 @@ class WorkerSide:
         elif where[0] in self._loads:
             self._loads[where[0]].wait_layer(where[1])
         self._copy_s += time.perf_counter() - t0
-
-    def _flat(self, where: tuple[int, int]) -> int:
-        """The index in ``layer_names`` of layer ``where[1]`` of group ``where[0]``."""
-        return sum(len(g) for g in self.groups[: where[0]]) + where[1]
 
     def end_forward(self) -> float:
         """``wait_for_save``: completes (orders) loads of layers no wait came for, and

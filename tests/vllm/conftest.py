@@ -44,6 +44,15 @@ def write_config(path: Path, tiers: list[dict[str, Any]], **top: Any) -> Path:
     return path
 
 
+def write_through_config(path: Path, store: Path, chunk_tokens: int = 256) -> Path:
+    """A config of a host tier and a 1 GiB write-through file tier in ``store``, whose
+    ``reset_cache`` empties only the host tier (a test then restores from the file tier)."""
+    return write_config(
+        path, [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
+        chunk_tokens=chunk_tokens, reset_cache="host",
+    )
+
+
 def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
     kw.setdefault("max_model_len", MAX_MODEL_LEN)
     kvt = kv_transfer_config(config)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from kvtier.build import build_store
 from kvtier.clock import ManualClock
+from kvtier.config import KVTierConfig
+from kvtier.keys import Namespace
+from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, TAIL_PROBE, SchedulerSide
 
 
@@ -64,3 +69,29 @@ def at_once(fn: Any, *args: Any) -> Any:
     out = fn(*args)
     assert time.perf_counter() - t0 < HOOK_BUDGET_S, f"{fn.__name__} waited on storage"
     return out
+
+
+def through_sched(tmp_path: Path, geom: Geometry, ns: Namespace, chunk_tokens: int,
+                  **extra: Any) -> SchedulerSide:
+    """A scheduler side over a 1 MiB host tier and a write-through file tier in
+    ``tmp_path`` that restores anything (threshold 1 token), on a ManualClock; ``extra``
+    goes into its config."""
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": chunk_tokens,
+        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through"}}],
+        "restore": {"recompute_threshold_tokens": 1},
+        **extra,
+    })
+    store = build_store(cfg, geom.chunk_bytes(chunk_tokens))
+    return SchedulerSide(cfg, geom, ns, None, store=store, clock=ManualClock())
+
+
+def request_record(rid: str, tokens: list[int], computed: int | None = None) -> SimpleNamespace:
+    """A request with ``tokens`` as the scheduler side reads it; ``computed`` tokens
+    (default: all but the last, as at its finish)."""
+    return SimpleNamespace(
+        request_id=rid, num_tokens=len(tokens), all_token_ids=tokens,
+        num_computed_tokens=len(tokens) - 1 if computed is None else computed,
+        kv_transfer_params=None, cache_salt=None, lora_request=None,
+        mm_features=None, prompt_embeds=None)

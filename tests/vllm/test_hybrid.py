@@ -23,8 +23,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.build import build_store
-from kvtier.clock import ManualClock
 from kvtier.config import KVTierConfig
 from kvtier.keys import (
     ChunkKey,
@@ -41,7 +39,7 @@ from kvtier.vllm.hybrid import prefix_pieces
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.worker_side import WorkerSide
-from tests.vllm.hooks import ask
+from tests.vllm.hooks import ask, request_record, through_sched
 
 BS, BPC = 16, 4
 CT = BS * BPC
@@ -65,15 +63,8 @@ class GroupBlocks:
         return self.ids
 
 
-def _sched(tmp_path: Path) -> SchedulerSide:
-    cfg = KVTierConfig.model_validate({
-        "chunk_tokens": CT,
-        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
-                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through"}}],
-        "restore": {"recompute_threshold_tokens": 1},
-    })
-    return SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
-                         clock=ManualClock())
+def _sched(tmp_path: Path, **extra: Any) -> SchedulerSide:
+    return through_sched(tmp_path, GEOM, NS, CT, **extra)
 
 
 @pytest.fixture
@@ -83,12 +74,7 @@ def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
     s.close()
 
 
-def _req(rid: str, tokens: list[int], computed: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid, num_tokens=len(tokens), all_token_ids=tokens,
-        num_computed_tokens=len(tokens) - 1 if computed is None else computed,
-        kv_transfer_params=None, cache_salt=None, lora_request=None,
-        mm_features=None, prompt_embeds=None)
+_req = request_record
 
 
 def _tables(computed: int, total_blocks: int, base: int = 100) -> tuple[list[int], list[int]]:

@@ -21,7 +21,7 @@ import pytest
 
 from kvtier.testing.engines import LLMWorker, tokens
 from kvtier.testing.models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
-from tests.vllm.conftest import write_config
+from tests.vllm.conftest import write_through_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
 pytestmark = pytest.mark.vllm
@@ -39,10 +39,7 @@ def tp2_engine(engine_factory: Callable[..., LLMWorker], model: Path, store: Pat
                config: Path, **llm_kwargs: Any) -> LLMWorker:
     """A TP=2 engine (one core per rank) with a host tier and a write-through file tier
     in ``store``, its config written to ``config``."""
-    cfg = write_config(
-        config, [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
-        chunk_tokens=CT, reset_cache="host",
-    )
+    cfg = write_through_config(config, store, CT)
     return engine_factory(model, cfg, tensor_parallel_size=2,
                           extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, **llm_kwargs)
 

@@ -19,15 +19,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.build import build_store
-from kvtier.clock import ManualClock
-from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace, chunk_keys, tail_key, window_key
 from kvtier.lease import renew_chain
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.window import saveable, window_parts
-from tests.vllm.hooks import Blocks, ask
+from tests.vllm.hooks import Blocks, ask, request_record, through_sched
 
 BS, BPC = 16, 4
 CT = BS * BPC
@@ -40,15 +37,7 @@ BASE = list(range(1, 2 * CT + 3 * BS + 1))  # 2 chunks and 3 blocks: 11 blocks
 
 
 def _sched(tmp_path: Path, **extra: Any) -> SchedulerSide:
-    cfg = KVTierConfig.model_validate({
-        "chunk_tokens": CT,
-        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
-                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through"}}],
-        "restore": {"recompute_threshold_tokens": 1},
-        **extra,
-    })
-    return SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
-                         clock=ManualClock())
+    return through_sched(tmp_path, GEOM, NS, CT, **extra)
 
 
 @pytest.fixture
@@ -58,12 +47,7 @@ def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
     s.close()
 
 
-def _req(rid: str, tokens: list[int], computed: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid, num_tokens=len(tokens), all_token_ids=tokens,
-        num_computed_tokens=len(tokens) - 1 if computed is None else computed,
-        kv_transfer_params=None, cache_salt=None, lora_request=None,
-        mm_features=None, prompt_embeds=None)
+_req = request_record
 
 
 def _vllm_blocks(computed: int, total_blocks: int, base: int = 100) -> list[int]:

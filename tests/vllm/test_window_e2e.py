@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.testing.engines import LLMWorker, tokens
 from kvtier.testing.models import build_tiny_mistral
-from tests.vllm.conftest import write_config
+from tests.vllm.conftest import write_through_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
 pytestmark = pytest.mark.vllm
@@ -37,11 +37,7 @@ def engine(engine_factory: Callable[..., LLMWorker], store: Path,
            tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
     model = build_tiny_mistral(tmp_path_factory.mktemp("models") / "mistral",
                                sliding_window=WINDOW)
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "window.yaml",
-        [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
-        chunk_tokens=CT, reset_cache="host",
-    )
+    cfg = write_through_config(tmp_path_factory.mktemp("cfg") / "window.yaml", store, CT)
     return engine_factory(model, cfg)
 
 
