@@ -55,7 +55,7 @@ CHAT_TEMPLATE: Final = (
 )
 
 _DTYPES: Final = ("float32", "bfloat16", "float16")
-_ARCHES: Final = ("llama", "deepseek_v2", "mistral", "gemma2")
+_ARCHES: Final = ("llama", "deepseek_v2", "mistral", "gemma2", "llama4")
 
 #: DeepSeek-V2's MLA sizes: the latent (``kv_lora_rank``) and the decoupled RoPE key.
 MLA_KV_LORA_RANK: Final = 512
@@ -86,6 +86,11 @@ class TinyLlamaSpec:
     #: tests; ``arch="gemma2"``: every other layer does (from layer 0; the others are full
     #: attention, so vLLM's hybrid KV-cache manager keeps one group of each)
     sliding_window: int | None = None
+    #: ``arch="llama4"``: Llama-4's attention without experts: layers 0, 2, 4, ... attend
+    #: within aligned chunks of ``attention_chunk`` tokens (chunked-local attention, with
+    #: RoPE), the others to everything (NoPE); vLLM's hybrid KV-cache manager, when
+    #: allowed, keeps a chunked-local and a full-attention group
+    attention_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -102,6 +107,10 @@ class TinyLlamaSpec:
         if (self.sliding_window is not None) != (self.arch in ("mistral", "gemma2")):
             raise ValueError("sliding_window is set exactly when arch is 'mistral' or "
                              "'gemma2'")
+        if (self.attention_chunk is not None) != (self.arch == "llama4"):
+            raise ValueError("attention_chunk is set exactly when arch is 'llama4'")
+        if self.attention_chunk is not None and self.attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise ValueError(f"sliding_window must be >= 2, got {self.sliding_window}")
         if self.head_dim is not None and self.head_dim not in CPU_ATTN_HEAD_SIZES:
@@ -144,6 +153,8 @@ class TinyLlamaSpec:
             del spec["arch"]  # the hash of every Llama built before ``arch`` existed
         if self.sliding_window is None:
             del spec["sliding_window"]  # likewise, for every model built before it
+        if self.attention_chunk is None:
+            del spec["attention_chunk"]
         payload = json.dumps(
             {"builder": BUILDER_VERSION, "spec": spec, "head_dim": self.resolved_head_dim},
             sort_keys=True,
@@ -232,6 +243,20 @@ def build_tiny_gemma2(
     return build_from_spec(path, TinyLlamaSpec(dtype=dtype, layers=layers, seed=seed,
                                                arch="gemma2",
                                                sliding_window=sliding_window))
+
+
+def build_tiny_llama4(
+    path: str | os.PathLike[str], *, attention_chunk: int, dtype: str = "float32",
+    layers: int = 2, seed: int = 0,
+) -> Path:
+    """Build (or reuse) a random-weight, expert-free Llama-4 text model at ``path``: the
+    tiny Llama's sizes, with layers 0, 2, 4, ... attending within aligned chunks of
+    ``attention_chunk`` tokens and the others to every token (a hybrid model when vLLM's
+    hybrid KV-cache manager is allowed for chunked-local attention:
+    ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1``)."""
+    return build_from_spec(path, TinyLlamaSpec(dtype=dtype, layers=layers, seed=seed,
+                                               arch="llama4",
+                                               attention_chunk=attention_chunk))
 
 
 def build_bench_llama(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
@@ -375,8 +400,21 @@ def _gemma2_config(spec: TinyLlamaSpec) -> Any:
                         architectures=["Gemma2ForCausalLM"])
 
 
+def _llama4_config(spec: TinyLlamaSpec) -> Any:
+    from transformers import Llama4TextConfig
+
+    fields = _llama_fields(spec)
+    # no_rope_layers[i] == 0: layer i is a global NoPE layer (full attention); the others
+    # use RoPE and chunked-local attention. Dense MLPs everywhere (no experts).
+    return Llama4TextConfig(**fields, intermediate_size_mlp=spec.intermediate,
+                            interleave_moe_layer_step=0, moe_layers=[], num_local_experts=1,
+                            no_rope_layers=[1 - i % 2 for i in range(spec.layers)],
+                            attention_chunk_size=spec.attention_chunk,
+                            architectures=["Llama4ForCausalLM"])
+
+
 _CONFIGS = {"llama": _llama_config, "deepseek_v2": _deepseek_v2_config,
-            "mistral": _mistral_config, "gemma2": _gemma2_config}
+            "mistral": _mistral_config, "gemma2": _gemma2_config, "llama4": _llama4_config}
 
 
 def _write_model(out: Path, spec: TinyLlamaSpec) -> None:

@@ -208,10 +208,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         w = self.worker_side
         ctx = self._vllm_config.compilation_config.static_forward_context
-        backend_cls = ctx[w.layer_names[0]].get_attn_backend()
-        others = {type(b).__name__ if not isinstance(b, type) else b.__name__
-                  for b in (ctx[n].get_attn_backend() for n in w.layer_names)
-                  if b is not backend_cls}
+        backend_cls = _layout_backend(ctx[w.layer_names[0]].get_attn_backend())
+        others = {b.__name__ for b in (_layout_backend(ctx[n].get_attn_backend())
+                                       for n in w.layer_names) if b is not backend_cls}
         if others:  # one layout for every layer: the slots and the namespace assume it
             raise TierError(f"kvtier: the KV layers use several attention backends "
                             f"({backend_cls.__name__}, {', '.join(sorted(others))}); "
@@ -304,3 +303,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.close()
         if self._worker is not None:
             self._worker.close()  # removes the pool's names only if it created the pool
+
+
+def _layout_backend(backend: Any) -> Any:
+    """The attention backend class that lays out ``backend``'s KV tensors. vLLM wraps a
+    backend for chunked-local attention in a subclass that overrides only
+    ``get_builder_cls`` (``subclass_attention_backend``: other metadata, the same
+    cache), so such subclasses are walked up to the class they wrap."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    while len(cls.__bases__) == 1 and \
+            {k for k in vars(cls) if not k.startswith("_")} <= {"get_builder_cls"}:
+        cls = cls.__bases__[0]
+    return cls

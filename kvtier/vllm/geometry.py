@@ -55,10 +55,26 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 @dataclass(frozen=True)
 class GroupShape:
     """One KV-cache group of a hybrid model: its layer count and what it keeps of a
-    request (``window`` tokens; 0: everything, full attention)."""
+    request: its last ``window`` tokens (sliding-window attention), or the tokens of its
+    current ``chunk``-token attention chunk (chunked-local attention: Llama-4's RoPE
+    layers); neither (both 0): everything, full attention."""
 
     layers: int
     window: int = 0
+    chunk: int = 0
+
+    @property
+    def local(self) -> bool:
+        """Whether vLLM keeps only a local part of a request's KV for this group (and
+        pads the rest with its null block): sliding-window or chunked-local attention."""
+        return bool(self.window or self.chunk)
+
+    @property
+    def kind(self) -> str:
+        """The group's kind for the namespace."""
+        if self.window:
+            return f"sliding_window:{self.window}"
+        return f"chunked_local:{self.chunk}" if self.chunk else "full"
 
 
 @dataclass(frozen=True)
@@ -101,14 +117,27 @@ class Geometry:
         -token sliding window reads; 0 for full attention (``window`` 0)."""
         return -(-(window - 1) // self.block_size) if window else 0
 
+    def local_blocks(self, group: int, end_block: int) -> int:
+        """The blocks before block ``end_block`` that hybrid group ``group`` keeps for a
+        request whose next token is the first of that block: all ``end_block`` of them
+        (full attention), the window's ``blocks_for_window`` (sliding window), or those
+        from the start of the attention chunk holding the next token (chunked-local, as
+        vLLM's ``ChunkedLocalAttentionManager`` computes it; none on a chunk boundary)."""
+        shape = self.groups[group]
+        if shape.window:
+            return min(end_block, self.blocks_for_window(shape.window))
+        if shape.chunk:
+            start = end_block * self.block_size // shape.chunk * shape.chunk
+            return end_block - start // self.block_size
+        return end_block
+
     @property
     def attention(self) -> str:
         """What of a request's KV is kept, for the namespace: "" (full attention, one
         group), ``sliding_window:W``, or a hybrid model's groups (each group's kind and
         layer count, and the digest of its layers' names)."""
         if self.groups:
-            kinds = ",".join(f"{f'sliding_window:{g.window}' if g.window else 'full'}"
-                             f"x{g.layers}" for g in self.groups)
+            kinds = ",".join(f"{g.kind}x{g.layers}" for g in self.groups)
             return f"hybrid:{kinds};layers={self.group_layers}"
         return f"sliding_window:{self.window}" if self.window else ""
 
@@ -202,23 +231,25 @@ def _page_fields(spec: Any) -> dict[str, Any]:
 
 
 def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geometry:
-    """A hybrid model's geometry: every group full or sliding-window attention, with one
-    block size and one page shape (what vLLM's hybrid manager makes of Gemma-2/3, gpt-oss,
-    Cohere2, Mistral-style interleaved windows). Anything else is refused, naming the
-    model and the group kind: Mamba/linear-attention state, chunked-local attention and
-    MLA groups are stored per request, not per prefix block, or laid out otherwise."""
+    """A hybrid model's geometry: every group full, sliding-window or chunked-local
+    attention, with one block size and one page shape (what vLLM's hybrid manager makes
+    of Gemma-2/3, gpt-oss, Cohere2, Mistral-style interleaved windows, and of Llama-4
+    when ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` lets it keep chunked-local
+    groups). Anything else is refused, naming the model and the group kind:
+    Mamba/linear-attention state and MLA groups are stored per request, not per prefix
+    block, or laid out otherwise."""
     shapes: list[GroupShape] = []
     first = groups[0].kv_cache_spec
     names = hashlib.blake2b(digest_size=8)
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         kind = type(spec).__name__
-        if kind not in ("FullAttentionSpec", "SlidingWindowSpec"):
+        if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
             raise TierError(
                 f"kvtier cannot store the KV of {model}: its KV-cache group {i} is {kind} "
                 f"({_HYBRID_WHY.get(kind, 'a kind of state kvtier does not know the blocks of')}"
-                "). kvtier stores hybrid models whose groups are full and sliding-window "
-                "attention. Run this model without kvtier"
+                "). kvtier stores hybrid models whose groups are full, sliding-window and "
+                "chunked-local attention. Run this model without kvtier"
             )
         mine, base = _page_fields(spec), _page_fields(first)
         for attr, value in mine.items():
@@ -227,10 +258,12 @@ def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geomet
                     f"kvtier cannot store the KV of {model}: its KV-cache groups differ in "
                     f"{attr} ({base[attr]} vs {value} in group {i}); run it without kvtier"
                 )
-        window = 0
+        window = chunk = 0
         if kind == "SlidingWindowSpec":
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
-        shapes.append(GroupShape(len(g.layer_names), window))
+        elif kind == "ChunkedLocalAttentionSpec":
+            chunk = int(spec.attention_chunk_size)
+        shapes.append(GroupShape(len(g.layer_names), window, chunk))
         _part(names, "|".join(g.layer_names).encode())
     return Geometry(
         num_layers=max(s.layers for s in shapes),
@@ -244,8 +277,6 @@ def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geomet
 _HYBRID_WHY = {
     "MambaSpec": "Mamba/linear-attention state: one state per request, not a KV block per "
                  "prefix position",
-    "ChunkedLocalAttentionSpec": "chunked-local attention: blocks outside the current "
-                                 "attention chunk are vLLM's null block",
     "MLAAttentionSpec": "MLA in a hybrid model",
 }
 

@@ -4,7 +4,8 @@ With vLLM's hybrid KV-cache manager on (kvtier declares ``SupportsHMA``), a mode
 mixes full-attention and sliding-window layers (Gemma-2/3, gpt-oss, Cohere2) has
 several KV-cache groups, each with its own block table: the full-attention groups keep
 every block of a request, the sliding-window groups only the blocks of its last ``W``
-tokens (the others become vLLM's null block as it runs; ``window.py``).
+tokens, the chunked-local groups only those of its current attention chunk (the others
+become vLLM's null block as it runs; ``window.py``). "Window" below means either.
 
 So each group is stored as objects of its own, keyed ``keys.group_key(piece key,
 group)``. A prefix of ``L`` tokens (``L`` a multiple of the block size) is held by:
@@ -13,7 +14,10 @@ group)``. A prefix of ``L`` tokens (``L`` a multiple of the block size) is held 
   that chunk's tail of ``L``'s blocks (the chunk and tail keys of the single-group path);
 * per sliding-window group, the window of ``L``: its last ``cdiv(W - 1, B)`` blocks, in
   parts of at most a chunk (``window.window_parts``), keyed from the key of the chunk or
-  tail that ends at ``L`` (``keys.window_key``).
+  tail that ends at ``L`` (``keys.window_key``);
+* per chunked-local group (Llama-4's RoPE layers, attention chunk ``A``), likewise the
+  blocks from ``L // A * A`` to ``L``: the attention chunk the next token attends within
+  (none when ``L`` is a multiple of ``A``). Below it vLLM holds its null block.
 
 A request that finishes stores all of them for the prefix it ends (chunks another request
 stored already are not stored again; windows are per end point). A returning request's
@@ -52,11 +56,12 @@ class Piece:
 
 
 def full_groups(geom: Geometry) -> list[int]:
-    return [g for g, shape in enumerate(geom.groups) if not shape.window]
+    return [g for g, shape in enumerate(geom.groups) if not shape.local]
 
 
-def window_groups(geom: Geometry) -> list[int]:
-    return [g for g, shape in enumerate(geom.groups) if shape.window]
+def local_groups(geom: Geometry) -> list[int]:
+    """The sliding-window and chunked-local groups: each keeps a local part."""
+    return [g for g, shape in enumerate(geom.groups) if shape.local]
 
 
 def prefix_pieces(geom: Geometry, bpc: int, chunk_keys: Sequence[ChunkKey],
@@ -86,9 +91,9 @@ def prefix_pieces(geom: Geometry, bpc: int, chunk_keys: Sequence[ChunkKey],
             add(g, n * bpc, blocks, group_key(key, g), blocks)
     end_key = tail[1] if tail is not None else chunk_keys[-1]
     end_block = n * bpc + (tail[0] if tail is not None else 0)
-    for g in window_groups(geom):
-        wb = geom.blocks_for_window(geom.groups[g].window)
-        parts = window_parts(end_block, wb, bpc)
+    for g in local_groups(geom):
+        nb = geom.local_blocks(g, end_block)
+        parts = window_parts(end_block, nb, bpc) if nb else []  # none: on a chunk boundary
         for i, (first, blocks) in enumerate(parts):
             add(g, first, blocks, group_key(window_key(end_key, i, len(parts)), g),
                 blocks if blocks < bpc else 0)

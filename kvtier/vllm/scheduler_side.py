@@ -575,7 +575,7 @@ class SchedulerSide:
         nblocks = 0
         # tokens by tier: a full group's chunk or tail names its blocks' tier; blocks no
         # full group restores (a window-only model) count under the window's tier
-        first_full = next((p.group for p in lk.pieces if not self.geom.groups[p.group].window),
+        first_full = next((p.group for p in lk.pieces if not self.geom.groups[p.group].local),
                           None)
         by_tier: dict[str, int] = {}
         for idx, p in enumerate(lk.pieces):
@@ -628,12 +628,12 @@ class SchedulerSide:
             return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
         ns, keys = got
         pieces = self._hybrid_pieces(request, keys, end, 0)
-        windows = [p for p in pieces if self.geom.groups[p.group].window]
+        windows = [p for p in pieces if self.geom.groups[p.group].local]
         if not saveable_groups(self.geom, block_ids, windows):
             # a window group freed the window's first block (the corner): the chunks are
             # still worth keeping for longer prefixes; this end is not restorable
             record_drop("window_freed")
-            pieces = [p for p in pieces if not self.geom.groups[p.group].window]
+            pieces = [p for p in pieces if not self.geom.groups[p.group].local]
             complete = False
         else:
             complete = True

@@ -13,6 +13,7 @@ below its window). The store is real. Bytes and tokens are checked in real vLLM 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -290,3 +291,96 @@ def test_a_piece_that_fails_mid_read_makes_the_turn_recompute(
     objects[0].write_bytes(objects[0].read_bytes()[:100])  # a 3-block piece, cut short
     assert ask(sched, turn2) == 0
     assert sched.build_meta().loads == []
+
+
+# -- chunked-local attention (Llama-4) --------------------------------------------------
+A = 96  # the attention chunk: 6 blocks, not a multiple of kvtier's 64-token chunk
+CL_GEOM = Geometry(2, 2, 8, BS, 1024, "float32",
+                   groups=(GroupShape(2, chunk=A), GroupShape(2, 0)), group_layers="y")
+CL_NS = dataclasses.replace(NS, attention=CL_GEOM.attention)
+CL, CL_FULL = 0, 1
+
+
+def test_chunked_local_and_full_groups_make_a_hybrid_geometry() -> None:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    common: dict[str, Any] = {"block_size": 16, "num_kv_heads": 1, "head_size": 64,
+                              "dtype": torch.float32}
+    g = geometry_from_kv_cache_config(_config(
+        ChunkedLocalAttentionSpec(**common, attention_chunk_size=8192),
+        FullAttentionSpec(**common)), tp_world=2)
+    assert g.groups == (GroupShape(1, chunk=8192), GroupShape(1, 0))
+    assert g.attention.startswith("hybrid:chunked_local:8192x1,fullx1;")
+    # the blocks of the attention chunk holding the next token, as vLLM keeps them
+    assert [g.local_blocks(0, e) for e in (1, 511, 512, 513, 1024)] == [1, 511, 0, 1, 0]
+    assert g.local_blocks(1, 513) == 513
+
+
+@settings(max_examples=80, deadline=None)
+@given(end_block=st.integers(1, 400), chunk_blocks=st.integers(1, 40),
+       block=st.sampled_from([1, 16, 128]))
+def test_local_blocks_are_what_vllm_keeps_of_a_chunked_local_group(
+        end_block: int, chunk_blocks: int, block: int) -> None:
+    """kvtier's blocks for a chunked-local group at an end are exactly those vLLM's own
+    ``ChunkedLocalAttentionManager`` does not pad with its null block there."""
+    from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
+
+    chunk = chunk_blocks * block
+    g = Geometry(1, 1, 8, block, 64, "float32", groups=(GroupShape(1, chunk=chunk),))
+    skipped = ChunkedLocalAttentionManager.get_num_skipped_tokens(
+        SimpleNamespace(attention_chunk_size=chunk),  # type: ignore[arg-type]
+        end_block * block)
+    assert g.local_blocks(0, end_block) == end_block - skipped // block
+
+
+def _cl_tables(computed: int, total_blocks: int, base: int = 100) -> tuple[list[int], ...]:
+    """A finished Llama-4 request's block tables: the chunked-local group's null (0)
+    below its current attention chunk, the full group's every block."""
+    skipped = computed // A * A // BS
+    cl = [0 if i < skipped else base + i for i in range(total_blocks)]
+    return cl, [base + 50 + i for i in range(total_blocks)]
+
+
+@pytest.fixture
+def cl_sched(tmp_path: Path) -> Iterator[SchedulerSide]:
+    s = through_sched(tmp_path, CL_GEOM, CL_NS, CT)
+    yield s
+    s.close()
+
+
+def test_chunked_local_groups_store_and_restore_their_attention_chunk(
+        cl_sched: SchedulerSide) -> None:
+    """A Llama-4 request ending 176 tokens in stores the full group's chunks and tail and,
+    of the chunked-local group, only its current attention chunk (tokens 96..175: blocks
+    6..10); a returning turn restores both into vLLM's blocks (nulls below block 6)."""
+    req = _req("a", [*BASE, 7])
+    _, params = cl_sched.request_finished_groups(req, _cl_tables(176, 12))
+    assert params["kvtier"]["tokens"] == 2 * CT + 3 * BS
+    saves = cl_sched.build_meta().saves
+    assert [(op.group, op.block_ids, op.span) for op in saves] == [
+        (CL_FULL, [150, 151, 152, 153], 0), (CL_FULL, [154, 155, 156, 157], 0),
+        (CL_FULL, [158, 159, 160], 3), (CL, [106, 107, 108, 109], 0), (CL, [110], 1)]
+    cl_sched.on_worker_output({"a"}, None)
+    turn2 = _req("b", [*BASE, 7, 8, 9], computed=0)
+    assert ask(cl_sched, turn2) == 2 * CT + 3 * BS
+    assert cl_sched.get_num_new_matched_tokens(turn2, 0) == (2 * CT + 3 * BS, True)
+    cl_sched.update_state_after_alloc(
+        turn2, GroupBlocks([0] * 6 + list(range(6, 12)), list(range(50, 62))), 176)
+    loads = cl_sched.build_meta().loads
+    assert [(op.group, op.block_ids, op.first, op.span) for op in loads] == [
+        (CL_FULL, [50, 51, 52, 53], 0, 0), (CL_FULL, [54, 55, 56, 57], 0, 0),
+        (CL_FULL, [58, 59, 60], 0, 3), (CL, [6, 7, 8, 9], 0, 0), (CL, [10], 0, 1)]
+
+
+def test_a_prefix_ending_on_an_attention_chunk_boundary_needs_no_local_blocks(
+        cl_sched: SchedulerSide) -> None:
+    """At 192 tokens (two attention chunks) the next token attends to nothing before it
+    in its chunked-local layers: only the full group is stored, and restores it all."""
+    toks = list(range(1, 3 * CT + 1))  # 192 computed at finish
+    req = _req("a", [*toks, 5])
+    _, params = cl_sched.request_finished_groups(req, _cl_tables(192, 13))
+    assert params["kvtier"]["tokens"] == 3 * CT
+    assert {op.group for op in cl_sched.build_meta().saves} == {CL_FULL}
+    cl_sched.on_worker_output({"a"}, None)
+    back = _req("b", [*toks, 5, 6, 7], computed=0)
+    assert ask(cl_sched, back) == 3 * CT
