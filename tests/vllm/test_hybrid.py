@@ -384,3 +384,28 @@ def test_a_prefix_ending_on_an_attention_chunk_boundary_needs_no_local_blocks(
     cl_sched.on_worker_output({"a"}, None)
     back = _req("b", [*toks, 5, 6, 7], computed=0)
     assert ask(cl_sched, back) == 3 * CT
+
+
+def test_the_chunked_local_backend_wrapper_lays_out_the_cache_like_what_it_wraps() -> None:
+    """vLLM runs chunked-local layers on a subclass of the platform's backend that only
+    builds other metadata; kvtier's one-layout check sees the wrapped class (with the
+    hybrid manager off, Llama-4 is one full-attention group over both kinds of layer)."""
+    from vllm.model_executor.layers.attention.chunked_local_attention import (
+        create_chunked_local_attention_backend,
+    )
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvtier.vllm.connector import _layout_backend
+
+    wrapped = create_chunked_local_attention_backend(CPUAttentionBackend, 512)
+    assert wrapped is not CPUAttentionBackend
+    assert _layout_backend(wrapped) is CPUAttentionBackend
+    assert _layout_backend(CPUAttentionBackend) is CPUAttentionBackend
+
+    class OtherLayout(CPUAttentionBackend):  # a backend that changes more than metadata
+        @staticmethod
+        def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
+                                      ) -> tuple[int, ...]:
+            return (0, 1, 2, 3, 4)
+
+    assert _layout_backend(OtherLayout) is OtherLayout
