@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtier.testing.engines import LLMWorker
+from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
 from kvtier.testing.models import build_tiny_llama
 from kvtier.vllm.settings import kv_transfer_config
 
@@ -51,6 +52,39 @@ def write_through_config(path: Path, store: Path, chunk_tokens: int = 256) -> Pa
         path, [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
         chunk_tokens=chunk_tokens, reset_cache="host",
     )
+
+
+@dataclass
+class Returns:
+    """What ``two_conversations_return`` saw: the first turns' outputs, the objects in
+    the file tier after them, the returning turns' outputs and their references."""
+
+    first: list[CompletionResult]
+    objects: list[Path]
+    got: list[CompletionResult]
+    refs: list[CompletionResult]
+
+
+def two_conversations_return(engine: LLMWorker, store: Path, seed: int,
+                             chunk_tokens: int = 256, out: int = 16) -> Returns:
+    """Two conversations on one new two-chunk system prompt (300 and 180 tokens of their
+    own) are sent together; then, with vLLM's prefix cache and kvtier's host tier reset
+    (only the file tier in ``store`` holds them), both return together with their next
+    user turn. Each reference is the same turn recomputed alone (a fresh
+    ``cache_salt``)."""
+    shared = tokens(2 * chunk_tokens, seed=seed)
+    a = shared + tokens(300, seed=seed + 1)
+    b = shared + tokens(180, seed=seed + 2)
+    first = engine.generate([a, b], max_tokens=out).outputs
+    engine.reset_until_done()
+    objects = sorted(store.rglob("*.kv"))
+    turns = [p + r.token_ids + tokens(40, seed=seed + 3 + i)
+             for i, (p, r) in enumerate(zip((a, b), first, strict=True))]
+    refs = [engine.generate([t], max_tokens=out, cache_salt=[f"ref{seed}-{i}"]).outputs[0]
+            for i, t in enumerate(turns)]
+    engine.reset_until_done()
+    got = engine.generate(turns, max_tokens=out).outputs
+    return Returns(first, objects, got, refs)
 
 
 def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:

@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.objformat import decode_header
-from kvtier.testing.engines import LLMWorker, tokens
+from kvtier.testing.engines import LLMWorker
 from kvtier.testing.models import build_tiny_llama4
-from tests.vllm.conftest import write_through_config
+from tests.vllm.conftest import two_conversations_return, write_through_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
 pytestmark = pytest.mark.vllm
 
-OUT = 16
 CT = 256
 A = 512  # the attention chunk: 4 of vLLM's 128-token CPU blocks
 
@@ -50,31 +49,20 @@ def engine(engine_factory: Callable[..., LLMWorker], store: Path,
 
 def test_chunked_local_conversations_restore_their_attention_chunk(
         engine: LLMWorker, store: Path) -> None:
-    shared = tokens(2 * CT, seed=4101)  # a new system prompt, two conversations on it
-    a = shared + tokens(300, seed=4102)
-    b = shared + tokens(180, seed=4103)
-    first = engine.generate([a, b], max_tokens=OUT).outputs
-    assert [restored(r) for r in first] == [0, 0]
-    engine.reset_until_done()  # host tier and vLLM's prefix cache: only the file tier has it
-    objects = sorted(store.rglob("*.kv"))
+    r = two_conversations_return(engine, store, seed=4101, chunk_tokens=CT)
+    assert [restored(x) for x in r.first] == [0, 0]
     # a (827 computed: 3 chunks) and b (707: 2 chunks shared with a, and a 1-block tail):
     # the full group's 3 chunks and b's tail; of the chunked-local group, a's blocks 4-5
     # (tokens 512..767) and b's block 4 (512..639): nothing below the attention chunk
-    assert len(objects) == 6, objects
-    shapes = sorted(decode_header(p.read_bytes())[0].shape for p in objects)
+    assert len(r.objects) == 6, r.objects
+    shapes = sorted(decode_header(p.read_bytes())[0].shape for p in r.objects)
     assert shapes == [(2, 1, 65536)] * 2 + [(2, 2, 65536)] * 4, shapes  # 2 layers per group
-    turns = [p + r.token_ids + tokens(40, seed=4104 + i)
-             for i, (p, r) in enumerate(zip((a, b), first, strict=True))]
-    refs = [engine.generate([t], max_tokens=OUT, cache_salt=[f"l4-ref{i}"]).outputs[0]
-            for i, t in enumerate(turns)]
-    engine.reset_until_done()
-    got = engine.generate(turns, max_tokens=OUT).outputs
     # each holds its own prefix down to its last full block. b may wait for a's read of
     # the shared chunks (a read in flight is not read twice) and then find the shared
     # 512 tokens in vLLM's own cache: at an attention-chunk boundary the chunked-local
     # group needs no block, so vLLM's hit covers them and kvtier restores the rest
-    assert [r.num_cached_tokens for r in got] == [6 * 128, 5 * 128]
-    assert restored(got[0]) == 6 * 128 and restored(got[1]) in (5 * 128, 128), \
-        [r.kv_transfer_params for r in got]
-    assert all("file1" in tiers_used(r) and tiers_used(r) <= {"file1", "host"} for r in got)
-    assert [r.token_ids for r in got] == [r.token_ids for r in refs]
+    assert [x.num_cached_tokens for x in r.got] == [6 * 128, 5 * 128]
+    assert restored(r.got[0]) == 6 * 128 and restored(r.got[1]) in (5 * 128, 128), \
+        [x.kv_transfer_params for x in r.got]
+    assert all("file1" in tiers_used(x) and tiers_used(x) <= {"file1", "host"} for x in r.got)
+    assert [x.token_ids for x in r.got] == [x.token_ids for x in r.refs]

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.engines import LLMWorker, tokens
+from kvtier.testing.engines import LLMWorker
 from kvtier.testing.models import build_tiny_mistral
-from tests.vllm.conftest import write_through_config
+from tests.vllm.conftest import two_conversations_return, write_through_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
 pytestmark = pytest.mark.vllm
 
-OUT = 16
 CT = 256
 WINDOW = 257  # (W - 1) a multiple of vLLM's CPU block (128): no save falls in the corner
 
@@ -44,24 +43,12 @@ def engine(engine_factory: Callable[..., LLMWorker], store: Path,
 def test_sliding_window_conversations_restore_their_prefix_from_the_window(
     engine: LLMWorker, store: Path,
 ) -> None:
-    shared = tokens(2 * CT, seed=1951)  # a new system prompt, two conversations on it
-    a = shared + tokens(300, seed=1952)
-    b = shared + tokens(180, seed=1953)
-    first = engine.generate([a, b], max_tokens=OUT).outputs
-    assert [restored(r) for r in first] == [0, 0]
-    engine.reset_until_done()  # host tier and vLLM's prefix cache: only the file tier has it
-    objects = sorted(store.rglob("*.kv"))
+    r = two_conversations_return(engine, store, seed=1951, chunk_tokens=CT)
+    assert [restored(x) for x in r.first] == [0, 0]
     # one window object per conversation (its last two blocks), no chunk objects
-    assert len(objects) == 2, objects
-    # both return together with their next user turn, after vLLM dropped them
-    turns = [p + r.token_ids + tokens(40, seed=1954 + i)
-             for i, (p, r) in enumerate(zip((a, b), first, strict=True))]
-    refs = [engine.generate([t], max_tokens=OUT, cache_salt=[f"w-ref{i}"]).outputs[0]
-            for i, t in enumerate(turns)]
-    engine.reset_until_done()
-    got = engine.generate(turns, max_tokens=OUT).outputs
+    assert len(r.objects) == 2, r.objects
     # each restores its own prefix down to its last full block: a 828 + 15 computed
     # (6 blocks), b 708 + 15 computed (5 blocks)
-    assert [restored(r) for r in got] == [6 * 128, 5 * 128]
-    assert all(tiers_used(r) == {"file1"} for r in got)
-    assert [r.token_ids for r in got] == [r.token_ids for r in refs]
+    assert [restored(x) for x in r.got] == [6 * 128, 5 * 128]
+    assert all(tiers_used(x) == {"file1"} for x in r.got)
+    assert [x.token_ids for x in r.got] == [x.token_ids for x in r.refs]
