@@ -93,7 +93,9 @@ def measure(open_tier: Callable[[], ObjectTier], n: int, keys: list[ChunkKey], *
     first = time.perf_counter() - t0
     assert served, "the probe key was not found"
     watch = LookupWatch(tier, probe)
-    tier.wait_indexed()
+    while not tier.wait_indexed(30):
+        print(f"  index: {tier.metrics.index_scanned} objects in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     ready = time.perf_counter() - t0
     watch.join()
     assert len(tier.index) == n, (len(tier.index), n)
