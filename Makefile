@@ -36,11 +36,13 @@ $(STAMPS)/cuda-check: $(wildcard native/*.cu native/*.h native/*.cpp native/*.sh
 
 # Debian's Ceph (16.2): the tests start a throwaway cluster from it (RGW as a real S3
 # server, CephFS as a real shared filesystem; kvtier/testing/ceph.py). Installed only
-# when a binary is missing; needs root or sudo.
-CEPH_PACKAGES := ceph-mon ceph-osd ceph-mgr ceph-mds radosgw ceph-fuse
+# when a binary (or the system Python's libcephfs bindings, which benchmarks/scale.py's
+# CephFS filler uses) is missing; needs root or sudo.
+CEPH_PACKAGES := ceph-mon ceph-osd ceph-mgr ceph-mds radosgw ceph-fuse python3-cephfs
 CEPH_BINARIES := ceph ceph-mon ceph-mgr ceph-osd ceph-mds radosgw radosgw-admin ceph-fuse monmaptool
 ceph:
 	@missing=0; for b in $(CEPH_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
+	/usr/bin/python3 -c "import cephfs" 2>/dev/null || missing=1; \
 	if [ $$missing = 1 ]; then \
 	  sudo=; [ "$$(id -u)" = 0 ] || sudo=sudo; \
 	  echo "installing $(CEPH_PACKAGES)"; \

@@ -44,6 +44,7 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
             clock=clock,
             background_index=spec.index == "background",
             scan_rate=spec.index_objects_per_second,
+            index_threads=spec.index_threads,
             tick=TickBudget(TICK_OBJECTS, spec.walk_tick_seconds),
             setting=f"{setting}.file",
         )

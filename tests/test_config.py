@@ -182,6 +182,16 @@ def test_the_start_scan_rate_defaults_to_no_limit_and_is_not_negative() -> None:
         parse_config(_with_file(index_objects_per_second=-1), environ={})
 
 
+def test_the_start_scan_threads_default_to_one_and_are_at_least_one() -> None:
+    spec = parse_config(_with_file(), environ={}).tiers[1].file
+    assert spec is not None and spec.index_threads == 1
+    spec = parse_config(_with_file(index_threads=4), environ={}).tiers[1].file
+    assert spec is not None and spec.index_threads == 4
+    for bad in (0, -2, 1.5, "many"):
+        with pytest.raises(ConfigError, match=r"tiers\[1\]\.file\.index_threads: "):
+            parse_config(_with_file(index_threads=bad), environ={})
+
+
 def test_renew_on_access_is_refused_with_the_reason() -> None:
     for value in (True, False):
         with pytest.raises(ConfigError, match=r"retention: renew_on_access was removed: every "

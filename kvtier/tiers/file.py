@@ -243,6 +243,12 @@ class FileTransport:
         with os.scandir(self.dir) as entries:
             next(entries, None)
 
+    def slices(self) -> list[object | None]:
+        """One slice per top-level directory, then the files in ``kv/``: the cursor of a
+        top-level directory's first leaf is the ``next`` of the page of the one before."""
+        firsts: list[_Cursor] = [(shard << 8, None) for shard in range(1, 256)]
+        return [None, *firsts, (_LEAVES, None)]
+
     def page(self, cursor: object | None) -> Page:
         """One leaf directory: the next one that exists from the cursor's leaf on. The
         page's key range runs from the cursor's leaf to that leaf (to the end of its
@@ -332,16 +338,20 @@ class FileTier(ObjectTier):
         background_index: bool = False,
         tick: TickBudget = DEFAULT_TICK,
         scan_rate: float = 0.0,
+        index_threads: int = 1,
     ) -> None:
         """``background_index``: return at once and fill the index on a thread (an engine
         start); else the constructor scans the whole directory (tools, tests).
-        ``scan_rate``: objects per second the start scan lists at most (0: no limit)."""
+        ``scan_rate``: objects per second the start scan lists at most (0: no limit).
+        ``index_threads``: threads that list the top-level directories during the start
+        scan (more pays on NFS/CephFS, where each ``stat`` is a round trip; on a local
+        disk one is fastest)."""
         metrics = TierMetrics(name)
         transport = FileTransport(Path(root), fsync=fsync, mode=mode, clock=clock,
                                   metrics=metrics)
         super().__init__(transport, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick=tick, scan_rate=scan_rate)
+                         tick=tick, scan_rate=scan_rate, index_threads=index_threads)
         self.metrics = metrics
         self.files = transport
         self.root = transport.root

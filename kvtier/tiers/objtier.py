@@ -14,12 +14,14 @@ Invariants:
   (``contains_prefix`` asks it: ``TieredStore.probe`` does that on a probe thread, never
   the scheduler's), and ``collect`` does nothing (usage is not known yet). Progress and
   readiness are exported (``kvtier_tier_index_scanned_objects``, ``kvtier_tier_index_ready``)
-  and the end is logged with the time taken. With ``scan_rate`` (objects per second, 0:
-  no limit) the start scan waits before each page until, counted from its start, it
-  has listed at most that many per second (``scan_delay``): whole pages, so a burst is
-  one page (one leaf directory, one S3 listing page). ``close`` ends the wait at once.
-  Collection waits for the whole scan, so a rate that makes it take hours leaves the
-  tier uncollected that long.
+  and the end is logged with the time taken. The scan itself is ``kvtier.tiers.scan``'s:
+  ``index_threads`` workers list the store's slices (a file tier's top-level
+  directories) in parallel. With ``scan_rate`` (objects per second, 0: no limit) it waits
+  before each page until, counted from its start, it has listed at most that many per
+  second (``scan_delay``): whole pages, so a burst is one page per worker (one leaf
+  directory, one S3 listing page). ``close`` ends the wait at once. Collection waits for
+  the whole scan, so a rate that makes it take hours leaves the tier uncollected that
+  long.
 * **A compact index** (``CompactIndex``, 44 bytes an entry plus its table cell). Scanned
   entries are linked coldest first when the scan ends; until then eviction has nothing to
   go on, which is why ``collect`` waits.
@@ -65,6 +67,7 @@ from kvtier.objformat import (
 )
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierUsage, WriteMode, as_bytes_view
 from kvtier.tiers.compact import MAX_SIZE, CompactIndex, Entry
+from kvtier.tiers.scan import StartScan
 from kvtier.tiers.transport import (
     Changed,
     Exists,
@@ -88,17 +91,8 @@ TICK_SECONDS = 1.0
 DEFAULT_TICK = TickBudget(TICK_OBJECTS, TICK_SECONDS)
 #: Victims one ``collect`` round considers at most.
 COLLECT_MAX = 4096
-_FILL_BATCH = 512  # scanned entries added per index lock hold
 
 _Pick = tuple[ChunkKey, Entry | None]
-
-
-def scan_delay(listed: int, elapsed: float, rate: float) -> float:
-    """Seconds a start scan that has listed ``listed`` objects in ``elapsed`` seconds
-    waits before its next page to list at most ``rate`` objects a second (0: none)."""
-    if rate <= 0:
-        return 0.0
-    return max(0.0, listed / rate - elapsed)
 _Doomed = tuple[ChunkKey, Stat, Entry | None]
 
 
@@ -111,11 +105,14 @@ class ObjectTier:
         self, transport: Transport, capacity_bytes: int, *, name: str, clock: Clock,
         touch_interval: float, low_watermark: float,
         tick: TickBudget = DEFAULT_TICK,
-        walk_interval: float = 30.0, scan_rate: float = 0.0,
+        walk_interval: float = 30.0, scan_rate: float = 0.0, index_threads: int = 1,
     ) -> None:
-        """Subclasses call ``_open`` once their transport is ready."""
+        """Subclasses call ``_open`` once their transport is ready. ``index_threads``:
+        workers of the start scan (``kvtier.tiers.scan``)."""
         if scan_rate < 0:
             raise ValueError(f"scan_rate: must be >= 0 objects/s (0: no limit), got {scan_rate}")
+        if index_threads < 1:
+            raise ValueError(f"index_threads: must be >= 1, got {index_threads}")
         self.transport = transport
         self.capacity = capacity_bytes
         self._name = name
@@ -132,6 +129,7 @@ class ObjectTier:
         self._next_walk = clock.monotonic() + walk_interval
         self._ready = threading.Event()
         self._scan_rate = scan_rate
+        self._index_threads = index_threads
         self._closing = threading.Event()  # set by close: the start scan stops
         self._faulting = False  # log the first fault of an outage; count the rest
         self.index_seconds: float | None = None  # how long the start scan took
@@ -155,31 +153,24 @@ class ObjectTier:
             self._fill(t0)
 
     def _fill(self, t0: float) -> None:
-        n = 0
-        cursor: object | None = None
-        try:
-            while True:
-                page = self.transport.page(cursor)
-                for i in range(0, len(page.objects), _FILL_BATCH):
-                    self.index.add_scanned(page.objects[i : i + _FILL_BATCH])
-                n += len(page.objects)
-                self.metrics.index_scan(n, ready=False)
-                wait = scan_delay(n, time.perf_counter() - t0, self._scan_rate)
-                if page.next is None or self._closing.wait(wait):
-                    break
-                cursor = page.next
-        except Exception as e:  # the thread must end ready: the walk finds the rest
-            self._fault("scan", e)
+        scanned = StartScan(
+            self.transport, self.index, threads=self._index_threads, rate=self._scan_rate,
+            stop=self._closing, name=self._name,
+            progress=lambda n: self.metrics.index_scan(n, ready=False),
+        ).run()
+        n = scanned.objects
+        if scanned.fault is not None:  # the thread must end ready: the walk finds the rest
+            self._fault("scan", scanned.fault)
             log.warning("%s: the start scan stopped after %d objects (%s); the walk "
-                        "finds the rest", self._name, n, type(e).__name__)
+                        "finds the rest", self._name, n, type(scanned.fault).__name__)
         self.index.finish_scan()
         self._after_fill()
         self._report_used()
         self.index_seconds = time.perf_counter() - t0
         self._ready.set()
         self.metrics.index_scan(n, ready=True)
-        log.info("%s: index ready: %d objects scanned in %.2f s (%d indexed)", self._name, n,
-                 self.index_seconds, len(self.index))
+        log.info("%s: index ready: %d objects scanned in %.2f s by %d threads (%d indexed)",
+                 self._name, n, self.index_seconds, self._index_threads, len(self.index))
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Wait until the start scan is done (tools, tests); True if it is."""

@@ -191,6 +191,10 @@ class S3Transport:
         self.io.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}kv/",
                                        MaxKeys=1)
 
+    def slices(self) -> list[object | None]:
+        """One slice: a listing continues only from the token its last page gave."""
+        return [None]
+
     def page(self, cursor: object | None) -> Page:
         """One listing page; the cursor is ``(continuation token, first key number)``."""
         token, lo = cursor if isinstance(cursor, tuple) else (None, 0)

@@ -17,6 +17,8 @@ Invariants every transport keeps:
   page says which key range ``[lo, hi]`` it covers (every object there is listed; the
   ranges of consecutive pages are contiguous) and the cursor of the next page, ``None``
   after the last (a full pass).
+* ``slices()`` splits a pass at cursors that ``page`` returns as a ``next``: listing
+  each slice from its first cursor to the next slice's lists exactly the pass.
 * ``check_listing`` costs one call whatever the store holds (it lists nothing but at
   most one entry): what a tier's constructor may afford at ten million objects.
 * Faults of the store raise one of ``faults`` (the core counts them and turns them into
@@ -128,5 +130,11 @@ class Transport(Protocol):
         ...
 
     def page(self, cursor: object | None) -> Page: ...
+
+    def slices(self) -> list[object | None]:
+        """A pass split into slices that can be listed apart (the start scan's threads):
+        the first cursor of each, in key order, ``None`` first. Slice ``i`` ends at the
+        page whose next cursor is slice ``i + 1``'s first (``None`` after the last)."""
+        ...
 
     def close(self) -> None: ...

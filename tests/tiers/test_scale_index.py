@@ -18,7 +18,7 @@ from kvtier.keys import ChunkKey
 from kvtier.testing.fill import fill_file_tier
 from kvtier.tiers.compact import CompactIndex, key_int
 from kvtier.tiers.file import FileTier, FileTransport
-from kvtier.tiers.objtier import scan_delay
+from kvtier.tiers.scan import scan_delay
 from kvtier.tiers.transport import Page
 from kvtier.tiers.walk import TickBudget
 from tests.tiers.harness import make_key, meta_for, payload_for
