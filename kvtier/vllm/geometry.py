@@ -203,7 +203,7 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1,
     if kind == "MLAAttentionSpec":
         _check_mla(spec)
     elif kind == "SlidingWindowSpec":
-        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+        window = _window_tokens(spec)
     elif kind != "FullAttentionSpec":
         raise TierError(_SPEC_REFUSED.get(kind, _SPEC_OTHER).format(kind=kind))
     for attr in ("num_kv_heads", "head_size", "block_size", "page_size_bytes", "dtype"):
@@ -216,6 +216,12 @@ def geometry_from_kv_cache_config(kv_cache_config: Any, tp_world: int = 1,
         replicated=kind == "MLAAttentionSpec",
         window=window,
     )
+
+
+def _window_tokens(spec: Any) -> int:
+    """The tokens a ``SlidingWindowSpec`` group keeps of a request: its window plus
+    vLLM's ``extra_retained_tokens``."""
+    return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
 
 
 def _page_fields(spec: Any) -> dict[str, Any]:
@@ -260,7 +266,7 @@ def _hybrid_geometry(groups: Sequence[Any], tp_world: int, model: str) -> Geomet
                 )
         window = chunk = 0
         if kind == "SlidingWindowSpec":
-            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+            window = _window_tokens(spec)
         elif kind == "ChunkedLocalAttentionSpec":
             chunk = int(spec.attention_chunk_size)
         shapes.append(GroupShape(len(g.layer_names), window, chunk))
