@@ -1,0 +1,256 @@
+"""Random workloads for the simulation (``sim.py``), each a function of its seed.
+
+``run_seed`` builds a ``SimWorld`` and plays a workload that real agent traffic
+produces: many requests at once on shared new prefixes, conversations that return with
+grown histories, histories edited in the middle, ``prompt_logprobs`` requests (vLLM reads
+no prefix cache for them), tenants' ``cache_salt``, aborts at any step (while staging,
+during asynchronous loads, while a save is in flight), vLLM's own prefix cache reset
+(its hit shrinks between two calls of the lookup hook), preemption (a small GPU cache),
+and faults of the lower tier (objects corrupted or deleted under kvtier). After every
+step it checks the block-bytes invariant; at the end, once every request has finished
+and the world is idle, that nothing kvtier keeps per request outlived its request
+(``check_quiescent``). A failure raises ``Violation`` naming the seed, so that
+``make soak`` can print it and a test can replay it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.testing.sim import SHAPES, SimWorld, Violation
+
+#: Steps a run may take to drain after its last arrival before it counts as stuck.
+DRAIN_STEPS = 600
+
+
+@dataclass
+class SimReport:
+    seed: int
+    shape: str
+    tp: int
+    steps: int = 0
+    requests: int = 0
+    blocks_checked: int = 0
+    restored_tokens: int = 0
+    restores: int = 0
+    aborts: int = 0
+    faults: int = 0
+    preemptions: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def kvtier_doc(root: Path, *, chunk_tokens: int = 64, host: str = "96KiB",
+               write: str = "back") -> dict[str, Any]:
+    """A small config: a host pool of a few dozen chunks (the sim's chunks are a few KiB)
+    over a file tier, restoring anything (threshold 1 token)."""
+    return {
+        "chunk_tokens": chunk_tokens,
+        "tiers": [{"host": {"capacity": host, "pinned": "no"}},
+                  {"file": {"path": str(root / "store"), "capacity": "64MiB",
+                            "write": write}}],
+        "restore": {"recompute_threshold_tokens": 1},
+        "copy_backend": "torch",
+    }
+
+
+def run_seed(root: Path, seed: int, shape: str = "full", *, tp: int = 1,
+             arrivals: int = 40, faults: bool = True) -> SimReport:
+    """Play the workload of ``seed`` on ``shape`` at ``tp`` ranks; ``Violation`` on any
+    broken invariant (its message starts with the seed, shape and TP size)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    groups = len(SHAPES[shape].groups)
+    blocks = rng.choice([40, 56, 96])  # per group: a small GPU cache evicts and preempts
+    host = rng.choice(["48KiB", "96KiB", "512KiB"]) if tp == 1 else "192KiB"
+    world = SimWorld(root, SHAPES[shape], kvtier_doc(root, host=host,
+                                                      write=rng.choice(["back", "through"])),
+                     tp=tp, num_blocks=blocks * groups,
+                     max_num_seqs=rng.choice([4, 8]),
+                     max_batched_tokens=rng.choice([128, 256]), seed=seed)
+    report = SimReport(seed, shape, tp)
+    try:
+        _play(world, rng, report, arrivals, faults, max_len=blocks * world.bs * 2 // 3)
+        report.steps = world.steps
+        report.preemptions = world.preemptions
+        report.restored_tokens = sum(world.restored.values())
+        report.restores = len(world.restored)
+        return report
+    except Violation as e:
+        raise Violation(f"seed {seed} shape {shape} tp {tp}: {e}") from e
+    except Exception as e:  # vLLM raised or asserted: the engine would be dead
+        raise Violation(f"seed {seed} shape {shape} tp {tp}: step {world.steps} raised "
+                        f"{type(e).__name__}: {e}") from e
+    finally:
+        world.close()
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
+          faults: bool, max_len: int) -> None:
+    prefixes = [_tokens(rng, rng.randrange(70, 200)) for _ in range(3)]
+    histories: list[list[int]] = []  # finished conversations' prompt + output
+    live: dict[str, list[int]] = {}  # rid -> prompt
+    n = 0
+
+    def step(k: int) -> None:
+        for _ in range(k):
+            world.step()
+            report.blocks_checked += world.check_blocks()
+            check_step(world)
+            for rid in list(live):
+                if rid in world.finished:
+                    prompt = live.pop(rid)
+                    histories.append(prompt + world.outputs.get(rid, []))
+
+    for _ in range(arrivals):
+        action = rng.choices(
+            ["new", "return", "return", "edit", "logprobs", "burst", "abort", "reset",
+             "fault"],
+            weights=[3, 4, 4, 1, 1, 1, 2, 1, 1 if faults else 0])[0]
+        if action in ("return", "edit", "logprobs") and not histories:
+            action = "new"
+        kwargs: dict[str, Any] = {}
+        if action == "new":
+            prompt = rng.choice(prefixes) + _tokens(rng, rng.randrange(1, 150))
+        elif action == "burst":  # a swarm on a new shared prefix
+            shared = _tokens(rng, rng.randrange(100, 260))
+            for _ in range(rng.randrange(2, 5)):
+                rid = f"r{n}"
+                n += 1
+                live[rid] = (shared + _tokens(rng, rng.randrange(1, 40)))[:max_len]
+                world.add(rid, live[rid], max_tokens=rng.randrange(1, 6))
+                report.requests += 1
+            step(rng.randrange(0, 4))
+            continue
+        elif action == "abort":
+            if live:
+                # half the time, one vLLM holds in a transfer state: staging, an
+                # asynchronous load, a save in flight
+                odd = sorted(r for r in live if r in world.scheduler.requests and
+                             world.scheduler.requests[r].status.name != "RUNNING")
+                rid = rng.choice(odd if odd and rng.random() < 0.5 else sorted(live))
+                world.abort(rid)
+                live.pop(rid)
+                report.aborts += 1
+            step(rng.randrange(0, 3))
+            continue
+        elif action == "reset":
+            world.scheduler.reset_prefix_cache()  # vLLM's own cache: its hits shrink
+            step(rng.randrange(0, 3))
+            continue
+        elif action == "fault":
+            report.faults += _damage(world, rng)
+            step(rng.randrange(0, 3))
+            continue
+        else:
+            hist = rng.choice(histories)
+            prompt = hist + _tokens(rng, rng.randrange(1, 120))
+            if action == "edit":
+                at = rng.randrange(len(hist))
+                prompt[at] = 3 + (prompt[at] + 1) % 497
+            if action == "logprobs":
+                kwargs["prompt_logprobs"] = 1
+        if rng.random() < 0.15:
+            kwargs["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+        prompt = prompt[:max_len]
+        rid = f"r{n}"
+        n += 1
+        live[rid] = prompt
+        world.add(rid, prompt, max_tokens=rng.randrange(1, 8), **kwargs)
+        report.requests += 1
+        step(rng.randrange(0, 6))
+    for _ in range(DRAIN_STEPS):
+        if world.idle and not world.connector.scheduler_side.has_pending_saves():
+            break
+        step(1)
+    else:
+        stuck = sorted((r.request_id, r.status.name) for r in world.scheduler.requests.values())
+        raise Violation(f"not idle after {DRAIN_STEPS} drain steps: {stuck[:6]}")
+    check_quiescent(world)
+
+
+def _damage(world: SimWorld, rng: random.Random) -> int:
+    """Corrupt or delete one object of the file tier under kvtier (another node, a bad
+    disk): a restore that reads it must fail cleanly and recompute."""
+    store = world.root / "store"
+    files = sorted(p for p in store.rglob("*.kv")) if store.exists() else []
+    if not files:
+        return 0
+    victim = rng.choice(files)
+    if rng.random() < 0.5:
+        victim.unlink(missing_ok=True)
+    else:
+        data = bytearray(victim.read_bytes())
+        if data:
+            at = rng.randrange(len(data))
+            data[at] ^= 0x5A
+            tmp = victim.with_name(victim.name + ".sim")
+            tmp.write_bytes(bytes(data))
+            os.replace(tmp, victim)
+    return 1
+
+
+def check_step(world: SimWorld) -> None:
+    """After every step: kvtier stages host chunks only for requests vLLM has not
+    admitted; a request vLLM runs (it took another answer, e.g. ``prompt_logprobs``: it
+    reads no prefix cache) holds no staging."""
+    side = world.connector.scheduler_side
+    for rid, lk in side._lookups.items():
+        req = world.scheduler.requests.get(rid)
+        if req is None:
+            raise Violation(f"step {world.steps}: staging of finished request {rid} kept")
+        if req.status.name == "RUNNING" and (lk.held is not None or lk.future is not None):
+            raise Violation(f"step {world.steps}: request {rid} runs and still holds "
+                            f"{lk.chunks} staged host chunks")
+
+
+def check_quiescent(world: SimWorld) -> None:
+    """Once every request finished: nothing per request outlives it, no host slot is
+    held, and vLLM has every block back."""
+    side = world.connector.scheduler_side
+    side.store.flush(10.0)
+    left = {name: len(getattr(side, name)) for name in (
+        "_lookups", "_saves", "_probes", "_waiting", "_decisions", "_async_blocks",
+        "_key_cache", "_epoch_of", "_restored", "_failed_saves", "_loads", "_to_save")}
+    left = {k: v for k, v in left.items() if v}
+    if left:
+        raise Violation(f"per-request state outlived its requests: {left}")
+    held = side.store.host.index.num_held()
+    if held:
+        raise Violation(f"{held} host slot holds outstanding at quiescence")
+    # steps whose holds were never released (a rank that never acknowledged)
+    stale = {s for s in side._holds_by_step if s < world.steps - 2}
+    if stale:
+        raise Violation(f"loads of steps {sorted(stale)[:5]} never acknowledged by every rank")
+    bp = world.scheduler.kv_cache_manager.block_pool
+    if bp.get_num_free_blocks() != bp.num_gpu_blocks - 1:
+        raise Violation(f"vLLM has {bp.get_num_free_blocks()} of {bp.num_gpu_blocks - 1} "
+                        "blocks free at quiescence")
+
+
+def soak(root: Path, seconds: float, *, start_seed: int | None = None) -> list[SimReport]:
+    """Random seeds over every shape (and TP=2) until ``seconds`` have passed."""
+    import time
+
+    seed = start_seed if start_seed is not None else random.SystemRandom().randrange(2**31)
+    deadline = time.monotonic() + seconds
+    reports = []
+    cases = [("full", 1), ("window", 1), ("hybrid", 1), ("chunked", 1), ("mla", 1),
+             ("full", 2), ("hybrid", 2)]
+    i = 0
+    while time.monotonic() < deadline:
+        shape, tp = cases[i % len(cases)]
+        where = root / f"s{seed}-{shape}-{tp}"
+        reports.append(run_seed(where, seed, shape, tp=tp))
+        shutil.rmtree(where, ignore_errors=True)
+        seed += 1
+        i += 1
+    return reports
