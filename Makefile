@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 STAMPS := .stamps
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: test demo install native cuda-check ceph lint typecheck unit bench clean
+.PHONY: test demo install native cuda-check ceph lint typecheck unit bench soak clean
 
 install: $(STAMPS)/venv
 
@@ -67,6 +67,12 @@ test: $(STAMPS)/venv native cuda-check lint typecheck unit
 demo: $(STAMPS)/venv native
 	$(PY) -m kvtier check configs/local.yaml --count 4
 	$(PY) benchmarks/restore_vs_recompute.py --lengths 1024,2048,4096 --out-dir demo-results
+
+# Random seeds of the simulation over vLLM's own scheduler for SECONDS (default 600);
+# prints the seed of any failure (kvtier/testing/simdrive.py).
+SECONDS ?= 600
+soak: $(STAMPS)/venv native
+	$(PY) -m kvtier.testing.simdrive --seconds $(SECONDS)
 
 bench: $(STAMPS)/venv native
 	$(PY) benchmarks/tiers.py

@@ -315,10 +315,12 @@ class LayerLoads:
         n, bpc = len(op.block_ids), c.span_of(op)
         if op.first < 0 or op.first + n > bpc:
             raise ValueError(f"blocks {op.first}..{op.first + n} of a {bpc}-block chunk")
+        # the slot first: a load failed on purpose (slot -1, the scheduler's "fail this
+        # request's load") fails even when it names no block
+        whole = c.slot(op.slot, op.span)
         if n == 0:
             return []
         view = c.views[layer]
-        whole = c.slot(op.slot, op.span)
         per_layer = whole.numel() // c.num_layers
         part = whole[layer * per_layer : (layer + 1) * per_layer]
         if n == bpc:

@@ -79,7 +79,8 @@ def expected_rows(hashes: np.ndarray, layer: int, width: int) -> np.ndarray:
     j = np.arange(1, width + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         mixed = hashes[:, None] * (j[None, :] * _MIX) + np.uint64(layer * 7919 + 1)
-    return ((mixed >> np.uint64(40)) & np.uint64(0xFFFF)).astype(np.float32)
+    out: np.ndarray = ((mixed >> np.uint64(40)) & np.uint64(0xFFFF)).astype(np.float32)
+    return out
 
 
 @dataclass
@@ -133,13 +134,18 @@ class SimWorld:
         self.windows = [_window_of(g) for g in shape.groups]
         self.width = [HEADS * tp * 2 * HEAD_SIZE if g != "mla" else HEAD_SIZE * 2
                       for g in shape.groups]
+        #: every rank's KV caches (what its worker connector registered), by rank
+        self.caches: list[dict[str, torch.Tensor]] = []
         # Workers first: vLLM registers their KV caches before building the scheduler.
         self.workers = [self._worker(rank) for rank in range(tp)]
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=block_size, log_stats=False)
-        self.connector = self.scheduler.connector
+        from kvtier.vllm.connector import KVTierConnector
+
+        assert isinstance(self.scheduler.connector, KVTierConnector)
+        self.connector: KVTierConnector = self.scheduler.connector
         self.preemptions = 0
         preempt = self.scheduler._preempt_request
 
@@ -211,7 +217,7 @@ class SimWorld:
         # process group, and no barrier to wait at.
         with mock.patch.object(connector_module, "_tp_barrier", lambda: _no_barrier):
             conn.register_kv_caches(caches)
-        conn.sim_caches = caches
+        self.caches.append(caches)
         return conn
 
     # -- requests -------------------------------------------------------------------
@@ -270,10 +276,11 @@ class SimWorld:
             conn.clear_connector_metadata()
             outputs.append(kvo)
         if self.tp > 1:
-            kvo = KVOutputAggregator(expected_finished_count=self.tp).aggregate(
+            merged = KVOutputAggregator(expected_finished_count=self.tp).aggregate(
                 [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=o)
-                 for o in outputs]
-            ).kv_connector_output
+                 for o in outputs])
+            assert merged is not None and merged.kv_connector_output is not None
+            kvo = merged.kv_connector_output
         else:
             kvo = outputs[0]
         req_ids = list(out.num_scheduled_tokens)
@@ -297,7 +304,7 @@ class SimWorld:
         import concurrent.futures as cf
 
         side = self.connector.scheduler_side
-        futs = [p.future for p in side._probes.values()]
+        futs: list[cf.Future[Any]] = [p.future for p in side._probes.values()]
         futs += [lk.future for lk in side._lookups.values() if lk.future is not None]
         pending = [f for f in futs if not f.done()]
         if pending and not self.hung:
@@ -328,7 +335,7 @@ class SimWorld:
             for name in names:
                 rows = self._rank_rows(expected_rows(hashes[lo:hi], flat, self.width[g]),
                                        g, rank)
-                cache = conn.sim_caches[name]
+                cache = self.caches[rank][name]
                 for p in range(lo, hi):
                     b = table[p // self.bs]
                     assert b != 0, "computing into vLLM's null block"
@@ -374,14 +381,14 @@ class SimWorld:
                 continue
             hashes = self.requests[rid].hashes_for(req.all_token_ids[:hi])
             ids = sched.kv_cache_manager.get_block_ids(rid)
-            for rank, conn in enumerate(self.workers):
+            for rank in range(self.tp):
                 flat = 0
                 for g, names in enumerate(self.group_names):
                     table = ids[g]
                     for name in names:
                         want = self._rank_rows(expected_rows(hashes[:hi], flat,
                                                              self.width[g]), g, rank)
-                        cache = conn.sim_caches[name]
+                        cache = self.caches[rank][name]
                         for bi in range(-(-hi // self.bs)):
                             b = table[bi]
                             if b == 0:
@@ -472,8 +479,8 @@ def _kv_cache_config(shape: Shape, num_blocks: int, block_size: int, tp: int) ->
     for g, kind in enumerate(shape.groups):
         names = [f"model.layers.{g * LAYERS_PER_GROUP + i}.self_attn.attn"
                  for i in range(LAYERS_PER_GROUP)]
-        common = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                      dtype=torch.float32)
+        common: dict[str, Any] = dict(block_size=block_size, num_kv_heads=HEADS,
+                                      head_size=HEAD_SIZE, dtype=torch.float32)
         spec: Any
         if kind == "full":
             spec = FullAttentionSpec(**common)

@@ -236,21 +236,49 @@ def check_quiescent(world: SimWorld) -> None:
                         "blocks free at quiescence")
 
 
-def soak(root: Path, seconds: float, *, start_seed: int | None = None) -> list[SimReport]:
-    """Random seeds over every shape (and TP=2) until ``seconds`` have passed."""
+def main(argv: list[str] | None = None) -> int:
+    """``make soak SECONDS=N``: random seeds over every shape and TP=2 for N seconds;
+    prints each run, and the seed, shape and TP size of the first failure (replay it with
+    ``run_seed``; a failure found this way becomes a named regression test)."""
+    import argparse
+    import logging
+    import tempfile
     import time
 
-    seed = start_seed if start_seed is not None else random.SystemRandom().randrange(2**31)
-    deadline = time.monotonic() + seconds
-    reports = []
+    ap = argparse.ArgumentParser(prog="python -m kvtier.testing.simdrive")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
+    ap.add_argument("--arrivals", type=int, default=40)
+    args = ap.parse_args(argv)
+    logging.disable(logging.WARNING)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     cases = [("full", 1), ("window", 1), ("hybrid", 1), ("chunked", 1), ("mla", 1),
              ("full", 2), ("hybrid", 2)]
-    i = 0
-    while time.monotonic() < deadline:
-        shape, tp = cases[i % len(cases)]
-        where = root / f"s{seed}-{shape}-{tp}"
-        reports.append(run_seed(where, seed, shape, tp=tp))
-        shutil.rmtree(where, ignore_errors=True)
-        seed += 1
-        i += 1
-    return reports
+    deadline = time.monotonic() + args.seconds
+    runs = steps = requests = blocks = restored = 0
+    with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
+        while time.monotonic() < deadline:
+            shape, tp = cases[runs % len(cases)]
+            where = Path(tmp) / f"s{seed}-{shape}-{tp}"
+            try:
+                r = run_seed(where, seed, shape, tp=tp, arrivals=args.arrivals)
+            except Violation as e:
+                print(f"FAIL after {runs} runs: {e}", flush=True)
+                return 1
+            shutil.rmtree(where, ignore_errors=True)
+            runs += 1
+            steps += r.steps
+            requests += r.requests
+            blocks += r.blocks_checked
+            restored += r.restored_tokens
+            print(f"seed {seed} {shape} tp{tp}: {r.steps} steps, {r.requests} requests, "
+                  f"{r.restores} restores ({r.restored_tokens} tokens), {r.aborts} aborts, "
+                  f"{r.preemptions} preemptions, {r.faults} faults", flush=True)
+            seed += 1
+    print(f"soak: {runs} runs, {steps} steps, {requests} requests, {blocks} blocks "
+          f"checked, {restored} tokens restored: no violation", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,12 @@ Load it with::
     --kv-transfer-config '{"kv_connector": "KVTierConnector",
                            "kv_connector_module_path": "kvtier.vllm",
                            "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"config": "configs/local.yaml"}}'
+
+``kv_load_failure_policy`` must be ``recompute`` (vLLM's default, ``fail``, turns every
+restore kvtier cannot complete into an error returned to the user; a cache recomputes
+instead): the connector refuses to start otherwise, naming the setting.
 
 vLLM constructs one instance per process: role SCHEDULER in the engine core (bookkeeping,
 ``scheduler_side.SchedulerSide``) and role WORKER in each worker (bytes,
@@ -105,6 +110,20 @@ def check_parallel_config(pc: Any) -> None:
             )
 
 
+def check_load_failure_policy(ktc: Any) -> None:
+    """kvtier is a cache: a restore it cannot complete (a tier that fails or hangs, an
+    object that no longer matches) is recomputed. vLLM does that only under
+    ``kv_load_failure_policy: recompute``; its default, ``fail``, ends the request with an
+    error instead. Refused at start (``TierError``) naming the fix."""
+    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise TierError(
+            f'kvtier: kv_transfer_config.kv_load_failure_policy is "{policy}": a restore '
+            "kvtier cannot complete would fail the user's request instead of being "
+            'recomputed. Add "kv_load_failure_policy": "recompute" to '
+            "--kv-transfer-config (kvtier.vllm.settings.kv_transfer_config sets it)")
+
+
 def _tp_barrier() -> Any:
     """The TP group's barrier (every rank's worker calls it once, in register_kv_caches)."""
     from vllm.distributed.parallel_state import get_tp_group
@@ -123,6 +142,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         _share_vllm_logging()
         if kv_cache_config is None:
             raise ValueError("KVTierConnector needs vLLM >= 0.11 (kv_cache_config argument)")
+        check_load_failure_policy(self._kv_transfer_config)
         settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         cfg = settings.config
         check_parallel_config(vllm_config.parallel_config)
@@ -149,6 +169,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(cfg, geometry, groups, path)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtier is a best-effort cache. A preempted request keeps its in-flight
+        output (vLLM's default, True for any producer, drops and resamples it); a save
+        that does not happen costs a later recompute, never a wrong token."""
+        return False
 
     # -- scheduler side ------------------------------------------------------------------
     @property
@@ -177,6 +204,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             connector_output.finished_sending, connector_output.kv_connector_worker_meta,
             failed_load_blocks=len(connector_output.invalid_block_ids or ()),
             failed_loads=set(getattr(connector_output, "failed_recving", None) or ()),
+            finished_recving=set(connector_output.finished_recving or ()),
         )
 
     def request_finished(

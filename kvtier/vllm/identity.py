@@ -197,6 +197,13 @@ class AdapterFingerprints:
             self._start(entry, path)
         return self._answer(name, key)
 
+    def forget(self, name: str, path: str) -> None:
+        """Drop what is known of the adapter (it is being reloaded in place): the next
+        ``get`` answers ``PENDING`` and fingerprints its files again. A check still
+        running for the old entry updates only that entry."""
+        with self._lock:
+            self._entries.pop((name, path), None)
+
     def _due(self, key: tuple[str, str]) -> _Adapter | None:
         """The entry of ``key`` if a check must start now (marked running), else None."""
         now = self._clock.monotonic()
@@ -396,7 +403,19 @@ class RequestIdentities:
         if lora is None:
             return None
         name = str(lora.lora_name)
-        fp = self.adapters.get(name, str(getattr(lora, "lora_path", "") or ""))
+        path = str(getattr(lora, "lora_path", "") or "")
+        if getattr(lora, "load_inplace", False):
+            # vLLM reloads the adapter's files when it runs this request (RL loops update
+            # an adapter in place): the weights it serves from then on may be files
+            # kvtier has not fingerprinted. Its fingerprint is dropped (every later
+            # request waits for the new one) and this request's KV is neither restored
+            # nor stored: which files it was computed with is not known here.
+            self.adapters.forget(name, path)
+            raise Unsupported(
+                f"LoRA adapter {name!r} is reloaded in place (load_inplace): kvtier "
+                "neither restores nor stores KV for the request that reloads it, and "
+                "fingerprints its files again for the requests after it")
+        fp = self.adapters.get(name, path)
         return fp if fp is PENDING else f"{name}\x00{fp}"
 
     def _digest(self, salt: str | None, adapter: str | None) -> bytes:

@@ -91,6 +91,14 @@ def _request_threshold(params: dict[str, Any]) -> tuple[int | None, bool]:
     return None, True
 
 
+def _saveable_tokens(request: Any) -> int:
+    """The tokens of a finished request whose KV is known to be computed: at most
+    ``num_tokens - 1`` (the last token is sampled, never computed), however far
+    ``num_computed_tokens`` ran ahead (speculative drafts not verified, async scheduling's
+    in-flight step)."""
+    return max(0, min(int(request.num_computed_tokens), int(request.num_tokens) - 1))
+
+
 def _release_when_done(fut: Future[Held]) -> None:
     """Release a staging that was abandoned. A failed one holds no slots (``store.load``
     releases them before it fails)."""
@@ -143,6 +151,9 @@ class _Lookup:
     parts: list[tuple[int, int]] = field(default_factory=list)
     #: a hybrid model's restore: it ends at token ``end``; these are staged, in order
     pieces: list[Piece] = field(default_factory=list)
+    #: vLLM's own hit when this lookup started: a window or hybrid prefix staged for it
+    #: holds nothing below it, so a smaller hit later needs a new lookup
+    asked_at: int = 0
 
 
 #: ``_probes`` key suffix of a request's probe for its tail (after the chunks' probe).
@@ -180,11 +191,19 @@ class _Keys:
     identity: RequestIdentity
     epoch: int  # the weights epoch its identity was made in
     keys: list[ChunkKey] = field(default_factory=list)
+    #: the request's multimodal inputs when the identity was made: a streaming-input
+    #: session appends tokens *and* inputs to the same request, and the keys of chunks
+    #: with new inputs' placeholders must mix those inputs in
+    mm_inputs: int = 0
 
 
 @dataclass
 class _Save:
     slots: list[tuple[int, ChunkMeta]]
+    #: shorter tails this save's longer piece supersedes: dropped from the host tier
+    #: once the save commits (a save that fails leaves them: they are still the best
+    #: copy of that chunk's start)
+    supersedes: list[ChunkKey] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -228,6 +247,12 @@ class SchedulerSide:
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
         #: req -> blocks its asynchronous load copies (a hybrid model's), until finished
         self._async_blocks: dict[str, int] = {}
+        #: requests whose asynchronous load is issued and not reported received yet: vLLM
+        #: frees such a request's blocks itself when the load is reported, so kvtier
+        #: must not also delay their free with a save
+        self._recving: set[str] = set()
+        #: requests whose load failed: not restored again (until they finish)
+        self._load_failed: set[str] = set()
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
         #: a load that read no chunk for this long is abandoned (the request recomputes)
@@ -271,13 +296,18 @@ class SchedulerSide:
         """
         rid = request.request_id
         cached = self._key_cache.get(rid)
-        if cached is not None and cached.epoch != self.identities.epoch:
-            cached = None  # made before a weights reset: its keys are the old epoch's
+        mm_inputs = len(getattr(request, "mm_features", None) or ())
+        if cached is not None and (cached.epoch != self.identities.epoch
+                                   or cached.mm_inputs != mm_inputs):
+            # made before a weights reset (its keys are the old epoch's), or before the
+            # request's inputs grew (a streaming-input session's update)
+            cached = None
         if cached is None:
             ident = self.identities.of(request)
             if ident is PENDING:
                 return PENDING
-            cached = self._key_cache[rid] = _Keys(ident, self.identities.epoch)
+            cached = self._key_cache[rid] = _Keys(ident, self.identities.epoch,
+                                                  mm_inputs=mm_inputs)
         n = num_tokens // self.ct
         have = cached.keys
         if len(have) < n:
@@ -487,7 +517,7 @@ class SchedulerSide:
         if held and held + len(specs) > self._staged_cap:
             return None, False
         lk = _Lookup(keys, first, threshold=own, progress=LoadProgress(self.clock),
-                     chunks=len(specs), end=end, **staged)
+                     chunks=len(specs), end=end, asked_at=num_computed, **staged)
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
 
@@ -571,6 +601,7 @@ class SchedulerSide:
             log.error("kvtier: %s: vLLM took %d tokens of a %d-token restore; failing the "
                       "load", rid, num_external, lk.end - lk.start_tokens)
             self._loads.append(CopyOp(rid, -1, [], 0, 0))  # reported failed: recomputed
+            self._recving.add(rid)
             return
         nblocks = 0
         # tokens by tier: a full group's chunk or tail names its blocks' tier; blocks no
@@ -593,6 +624,7 @@ class SchedulerSide:
             tier = self.store.tiers[max(lk.held.from_tier)].name
             by_tier = {tier: num_external}
         self._async_blocks[rid] = nblocks
+        self._recving.add(rid)
         record_restore(by_tier)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
         self._restored[rid] = (by_tier, staged_ms)
@@ -609,10 +641,16 @@ class SchedulerSide:
         if not self.geom.groups:
             return self.request_finished(request, block_ids[0])
         rid = request.request_id
+        recving = rid in self._recving
         restored, restore_ms, seen_epoch = self._end_request(rid)
+        if recving:
+            # finished (aborted) while its asynchronous load is in flight: vLLM frees its
+            # blocks when the load is reported; a save would free them a second time
+            # (and they hold nothing computed yet)
+            return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
         full = full_groups(self.geom)
         held_blocks = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
-        n_blocks = min(request.num_computed_tokens // self.bs, held_blocks)
+        n_blocks = min(_saveable_tokens(request) // self.bs, held_blocks)
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
             tail_blocks = 0
@@ -673,11 +711,19 @@ class SchedulerSide:
         lk = self._lookups.get(rid)
         if lk is not None and lk.held is None and lk.future is None:
             lk = None
-        if lk is not None and num_computed < lk.first_chunk * self.ct:
-            self._forget(rid)  # vLLM's own hit shrank below what we started from
+        if lk is not None and (num_computed < lk.first_chunk * self.ct or (
+                (lk.parts or lk.pieces) and num_computed < lk.asked_at)):
+            # vLLM's own hit shrank below what we started from (its cache evicted blocks
+            # while the request waited): what was staged misses the blocks in between
+            self._forget(rid)
             lk = None
         if lk is None:
-            if _request_params(request).get("load") is False:
+            if _request_params(request).get("load") is False or rid in self._load_failed \
+                    or getattr(request, "skip_reading_prefix_cache", False):
+                # load: false; a load of this request failed already (vLLM asks again
+                # after a failed asynchronous load: the same load would fail the same
+                # way); or vLLM reads no prefix cache for it (prompt_logprobs) and would
+                # take 0 tokens whatever kvtier staged
                 return 0, False
             try:
                 got = self._keys(request, request.num_tokens)
@@ -831,9 +877,12 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         rid = request.request_id
         lk = self._lookups.get(rid)
-        if lk is None or lk.held is None:
+        if lk is None:
             return
-        if num_external <= 0:
+        if lk.held is None or num_external <= 0:
+            # vLLM took another answer than ours (0 tokens, or it allocated while our
+            # staging was still pending: a request it reads no prefix cache for): the
+            # staging is released now, not when the request finishes
             self._forget(rid)
             return
         del self._lookups[rid]
@@ -891,7 +940,7 @@ class SchedulerSide:
         """
         rid = request.request_id
         restored, restore_ms, seen_epoch = self._end_request(rid)
-        n_blocks = min(request.num_computed_tokens // self.bs, len(block_ids))
+        n_blocks = min(_saveable_tokens(request) // self.bs, len(block_ids))
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
             tail_blocks = 0
@@ -935,6 +984,8 @@ class SchedulerSide:
         self._probes.pop(rid, None)
         self._probes.pop(rid + TAIL_PROBE, None)
         self._async_blocks.pop(rid, None)
+        self._recving.discard(rid)
+        self._load_failed.discard(rid)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         return restored, restore_ms, self._epoch_of.pop(rid, self.identities.epoch)
 
@@ -1006,17 +1057,17 @@ class SchedulerSide:
         d = self._decisions.pop(rid, None)
         return None if d is None else {"outcome": d.outcome.value, "detail": str(d)}
 
-    def _supersede(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
-                   blocks: int) -> None:
-        """Drop from the host tier the tails of chunk ``chunk`` shorter than ``blocks``
-        blocks (``blocks_per_chunk``: the whole chunk): the save that covers them holds
-        their bytes too. A return that agrees with the longer save restores it; one that
+    def _superseded(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
+                    blocks: int) -> list[ChunkKey]:
+        """The keys of the tails of chunk ``chunk`` shorter than ``blocks`` blocks
+        (``blocks_per_chunk``: the whole chunk), which the host tier drops once the save
+        that covers them commits: it holds their bytes too (a save that fails drops
+        nothing). A return that agrees with the longer save restores it; one that
         branches inside the chunk recomputes at most that chunk, as without tails. Lower
         tiers keep what they were given (write-through tails of a P/D node; spilled ones)
         until their collection: a shared tier may serve another node's request. Memory
         only: at most ``blocks_per_chunk - 1`` keys hashed."""
-        drop = [self._tail_key(request, keys, chunk, k) for k in range(1, blocks)]
-        self.store.discard(drop)
+        return [self._tail_key(request, keys, chunk, k) for k in range(1, blocks)]
 
     def _save(
         self, rid: str, request: Any, ns: bytes, keys: list[ChunkKey],
@@ -1046,7 +1097,7 @@ class SchedulerSide:
         failed save of a shared chunk costs it is a recompute of the chunks after it.
         The tail is one more piece after the whole chunks, under the same rules; the first
         piece this request saves itself supersedes the shorter tails of its chunk
-        (``_supersede``).
+        (``_superseded``), once the save commits.
         """
         n_chunks = len(keys)
         stored = self.store.lookup_indexed(keys).hits  # memory only: scheduler thread
@@ -1085,6 +1136,7 @@ class SchedulerSide:
             room = 0  # a down shared tier drops writes: announce nothing new
         announce = held  # grows only while the chain from chunk 0 stays whole
         saves: list[tuple[int, ChunkMeta]] = []
+        later: list[ChunkKey] = []  # superseded once this save commits
         nbytes = 0
         for c, piece in enumerate(pieces, start=stored):
             slot = self.store.reserve(piece.key)
@@ -1094,8 +1146,9 @@ class SchedulerSide:
                 if not self.store.holds(piece.key):
                     record_drop("host_full")
                     break
-                if c == stored and supersede:
-                    self._supersede(request, keys, c, piece.span or self.bpc)
+                if c == stored and supersede:  # another request's copy is (being) stored
+                    self.store.discard(self._superseded(request, keys, c,
+                                                        piece.span or self.bpc))
                 # stored meanwhile, or being saved by another request: held. Announced
                 # if published, or (P/D) if two saves of it are in flight already (one
                 # request's and a backup: both would have to fail)
@@ -1103,7 +1156,7 @@ class SchedulerSide:
                     announce = c + 1
                 continue
             if c == stored and supersede:
-                self._supersede(request, keys, c, piece.span or self.bpc)
+                later = self._superseded(request, keys, c, piece.span or self.bpc)
             saves.append((slot, piece.meta))
             nbytes += piece.meta.payload_len
             self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span,
@@ -1112,7 +1165,7 @@ class SchedulerSide:
                 announce = c + 1
         record_spill(nbytes, baseline)
         if saves:
-            self._saves[rid] = _Save(saves)
+            self._saves[rid] = _Save(saves, later)
         return nbytes, announce
 
     # -- per step ---------------------------------------------------------------------------
@@ -1133,16 +1186,19 @@ class SchedulerSide:
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any, *,
                          failed_load_blocks: int = 0, failed_loads: set[str] | None = None,
-                         ) -> None:
+                         finished_recving: set[str] | None = None) -> None:
         """A step's output, folded over every rank by vLLM: saves finished on every rank,
         our worker metadata, how many blocks failed to load on any rank (vLLM's union,
         counted here once, not per rank), and the requests whose asynchronous loads
         failed (a hybrid model's: vLLM recomputes them)."""
         if failed_load_blocks:
             record_failed_loads(failed_load_blocks)
+        self._recving.difference_update(finished_recving or ())
         for rid in failed_loads or ():
             log.warning("kvtier: restore of %s failed; vLLM recomputes it", rid)
             record_failed_loads(self._async_blocks.pop(rid, 0))
+            self._recving.discard(rid)
+            self._load_failed.add(rid)  # vLLM asks again: the answer is 0 from now on
         if isinstance(worker_meta, KVTierWorkerMetadata):
             if self.step_timer is not None:
                 self.step_timer.done(worker_meta.step)
@@ -1170,6 +1226,8 @@ class SchedulerSide:
                     self.store.abort(slot)
                 elif not self.store.commit(slot, meta):
                     lost.append(meta.key)  # a backup another save beat to it
+            if save.supersedes and not failed:
+                self.store.discard(save.supersedes)
             if lost and self.role != "both":
                 # this request announced them: offer the published copies to the shared
                 # tiers again, in case the winner's write-through was dropped (a CREATE

@@ -95,6 +95,9 @@ class WorkerSide:
         self._recv_failed: set[str] = set()  # failed, not reported received yet
         self._failed_now: set[str] = set()  # failed, reported received by get_finished
         self._ran_step = 0  # the step run() last ran, until worker_meta reports it
+        #: steps with loads that failed to start on this rank (acknowledged as loaded
+        #: once the step's other loads on this rank are done)
+        self._failed_steps: set[int] = set()
         self._loading: list[tuple[int, LayerLoads]] = []
         self._load_errors: set[int] = set()
         self._waited = [False] * len(self.layer_names)  # layers vLLM waited for this step
@@ -228,7 +231,13 @@ class WorkerSide:
                 loads = self._copier_of(group).start_loads(ops)
             except TierError:
                 log.exception("kvtier: loads of %s failed", sorted({o.req_id for o in ops}))
-                self._recv_failed.update(op.req_id for op in ops)
+                if meta.async_loads:  # reported per request: vLLM recomputes them
+                    self._recv_failed.update(op.req_id for op in ops)
+                else:  # reported per block, as a copy that failed would be
+                    self._load_errors.update(b for op in ops for b in op.block_ids)
+                # this rank reads none of their slots: the step is acknowledged anyway,
+                # or its host slots would stay held (the ack counts every rank)
+                self._failed_steps.add(meta.step)
                 continue
             if not loads.empty:
                 started[group] = loads
@@ -383,9 +392,12 @@ class WorkerSide:
         step just run, so that every step's output (a 0-token one included) reaches the
         scheduler side paired with its step."""
         pending = {step for step, loads in self._loading if not loads.done()}
-        loaded = sorted({step for step, _ in self._loading} - pending)
+        if self._loads is not None:
+            pending.add(self._loads_step)
+        loaded = sorted(({step for step, _ in self._loading} | self._failed_steps) - pending)
         if loaded:
             self._loading = [(s, ld) for s, ld in self._loading if s in pending]
+            self._failed_steps -= set(loaded)
         step, self._ran_step = self._ran_step, 0
         if not loaded and not self._failed_saves and not step:
             return None

@@ -35,11 +35,12 @@ def test_block_check_sees_wrong_bytes(tmp_path: Path) -> None:
 
     world = SimWorld(tmp_path / "w", SHAPES["full"], kvtier_doc(tmp_path), num_blocks=32)
     try:
-        world.add("a", list(range(3, 70)), max_tokens=2)
-        world.step()
+        world.add("a", list(range(3, 70)), max_tokens=4)
+        while not world.scheduler.running:
+            world.step()
         assert world.check_blocks() > 0
         block = world.scheduler.kv_cache_manager.get_block_ids("a")[0][1]
-        cache = next(iter(world.workers[0].sim_caches.values()))
+        cache = next(iter(world.caches[0].values()))
         cache[block, 0, 3, 0] += 1.0
         with pytest.raises(Violation, match="does not hold the KV of its prefix"):
             world.check_blocks()

@@ -120,7 +120,7 @@ def test_a_long_window_is_stored_in_parts_of_a_chunk(tmp_path: Path) -> None:
     try:
         geom = Geometry(2, 2, 8, BS, 1024, "float32", window=6 * BS + 1)  # 6 blocks
         s.geom = geom
-        toks = list(range(1, 3 * CT + 1))  # 12 blocks
+        toks = list(range(1, 3 * CT + 2))  # 12 blocks computed, and the sampled token
         req = _req("d", toks, computed=3 * CT)
         blocks = [0] * 6 + list(range(106, 112))
         _, params = s.request_finished(req, blocks)
