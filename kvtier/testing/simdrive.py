@@ -67,8 +67,9 @@ def run_seed(root: Path, seed: int, shape: str = "full", *, tp: int = 1,
     groups = len(SHAPES[shape].groups)
     blocks = rng.choice([40, 56, 96])  # per group: a small GPU cache evicts and preempts
     host = rng.choice(["48KiB", "96KiB", "512KiB"]) if tp == 1 else "192KiB"
-    world = SimWorld(root, SHAPES[shape], kvtier_doc(root, host=host,
-                                                      write=rng.choice(["back", "through"])),
+    doc = kvtier_doc(root, host=host, write=rng.choice(["back", "through"]))
+    doc["reset_cache"] = rng.choice(["weights", "host"])
+    world = SimWorld(root, SHAPES[shape], doc,
                      tp=tp, num_blocks=blocks * groups,
                      max_num_seqs=rng.choice([4, 8]),
                      max_batched_tokens=rng.choice([128, 256]), seed=seed)
@@ -143,7 +144,9 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
             step(rng.randrange(0, 3))
             continue
         elif action == "reset":
-            world.scheduler.reset_prefix_cache()  # vLLM's own cache: its hits shrink
+            # vLLM's own cache (its hits shrink), and now and then kvtier's too
+            # (``reset_cache``: a new weights epoch, or the host tier emptied)
+            world.scheduler.reset_prefix_cache(reset_connector=rng.random() < 0.3)
             step(rng.randrange(0, 3))
             continue
         elif action == "fault":
@@ -164,7 +167,9 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
         rid = f"r{n}"
         n += 1
         live[rid] = prompt
-        world.add(rid, prompt, max_tokens=rng.randrange(1, 8), **kwargs)
+        # some decode long: more requests run at once, and a small cache preempts
+        out = rng.randrange(1, 8) if rng.random() < 0.7 else rng.randrange(16, 64)
+        world.add(rid, prompt, max_tokens=out, **kwargs)
         report.requests += 1
         step(rng.randrange(0, 6))
     for _ in range(DRAIN_STEPS):
