@@ -168,6 +168,7 @@ class SimWorld:
         self.finished: set[str] = set()
         #: reads the world holds on purpose (a hung tier): not settled
         self.hung = False
+        self._gate: Any = None  # threading.Event: set while lower tiers answer
         #: tokens each request produced (from vLLM's outputs)
         self.outputs: dict[str, list[int]] = {}
         #: simulated time of one engine step (kvtier's deadlines run on it)
@@ -219,6 +220,27 @@ class SimWorld:
             conn.register_kv_caches(caches)
         self.caches.append(caches)
         return conn
+
+    # -- faults ---------------------------------------------------------------------
+    def hang_reads(self) -> None:
+        """Every lower tier stops answering reads and existence checks (a hard-mounted
+        NFS server that died, a SIGSTOPped endpoint): calls block on IO threads until
+        ``unhang``. kvtier's deadlines run on the world's clock, one step at a time."""
+        import threading
+
+        self.hung = True
+        if self._gate is None:
+            self._gate = threading.Event()
+            for lt in self.connector.scheduler_side.store.lower:
+                for name in ("get_into", "contains_prefix"):
+                    setattr(lt.tier, name, _gated(getattr(lt.tier, name), self))
+        self._gate.clear()
+
+    def unhang(self) -> None:
+        """The tiers answer again; blocked calls go on."""
+        self.hung = False
+        if self._gate is not None:
+            self._gate.set()
 
     # -- requests -------------------------------------------------------------------
     def add(self, rid: str, prompt: Sequence[int], *, max_tokens: int = 4,
@@ -409,12 +431,26 @@ class SimWorld:
     def close(self) -> None:
         from kvtier.vllm.shm import remove_published
 
+        self.unhang()
         try:
             self.connector.shutdown()
         finally:
             for rank, conn in enumerate(self.workers):
                 conn.shutdown()
                 remove_published(conn.worker_side.pool_path, rank)
+
+
+def _gated(call: Any, world: SimWorld) -> Any:
+    """``call``, blocking while ``world``'s lower tiers hang (at most a minute: a world
+    that never unhangs must not leave threads behind forever)."""
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        gate = world._gate
+        if gate is not None:
+            gate.wait(60.0)
+        return call(*args, **kwargs)
+
+    return gated
 
 
 def _window_of(kind: str) -> int:

@@ -53,7 +53,10 @@ def kvtier_doc(root: Path, *, chunk_tokens: int = 64, host: str = "96KiB",
         "tiers": [{"host": {"capacity": host, "pinned": "no"}},
                   {"file": {"path": str(root / "store"), "capacity": "64MiB",
                             "write": write}}],
-        "restore": {"recompute_threshold_tokens": 1},
+        # deadlines of a few steps (the world's clock advances 20 ms a step): a hung
+        # tier costs a few steps, then the request recomputes
+        "restore": {"recompute_threshold_tokens": 1, "lookup_timeout_seconds": 0.1,
+                    "load_timeout_seconds": 0.2},
         "copy_backend": "torch",
     }
 
@@ -100,6 +103,7 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
     histories: list[list[int]] = []  # finished conversations' prompt + output
     live: dict[str, list[int]] = {}  # rid -> prompt
     n = 0
+    hung_until = 0  # the step the lower tiers answer again (0: they answer)
 
     def step(k: int) -> None:
         for _ in range(k):
@@ -112,10 +116,14 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
                     histories.append(prompt + world.outputs.get(rid, []))
 
     for _ in range(arrivals):
+        if hung_until and world.steps >= hung_until:
+            world.unhang()
+            hung_until = 0
         action = rng.choices(
             ["new", "return", "return", "edit", "logprobs", "burst", "abort", "reset",
-             "fault"],
-            weights=[3, 4, 4, 1, 1, 1, 2, 1, 1 if faults else 0])[0]
+             "fault", "hang"],
+            weights=[3, 4, 4, 1, 1, 1, 2, 1, 1 if faults else 0,
+                     1 if faults and not hung_until else 0])[0]
         if action in ("return", "edit", "logprobs") and not histories:
             action = "new"
         kwargs: dict[str, Any] = {}
@@ -153,6 +161,12 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
             report.faults += _damage(world, rng)
             step(rng.randrange(0, 3))
             continue
+        elif action == "hang":  # the lower tiers stop answering for a while
+            world.hang_reads()
+            hung_until = world.steps + rng.randrange(5, 40)
+            report.faults += 1
+            step(rng.randrange(0, 3))
+            continue
         else:
             hist = rng.choice(histories)
             prompt = hist + _tokens(rng, rng.randrange(1, 120))
@@ -172,6 +186,7 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
         world.add(rid, prompt, max_tokens=out, **kwargs)
         report.requests += 1
         step(rng.randrange(0, 6))
+    world.unhang()
     for _ in range(DRAIN_STEPS):
         if world.idle and not world.connector.scheduler_side.has_pending_saves():
             break
@@ -217,11 +232,22 @@ def check_step(world: SimWorld) -> None:
                             f"{lk.chunks} staged host chunks")
 
 
+def _wait_released(side: Any, seconds: float = 10.0) -> None:
+    """Reads abandoned at their deadline release their slots when they return (on IO
+    threads, after ``unhang``): wait for that, in real time, boundedly."""
+    import time
+
+    end = time.monotonic() + seconds
+    while side.store.host.index.num_held() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def check_quiescent(world: SimWorld) -> None:
     """Once every request finished: nothing per request outlives it, no host slot is
     held, and vLLM has every block back."""
     side = world.connector.scheduler_side
     side.store.flush(10.0)
+    _wait_released(side)
     left = {name: len(getattr(side, name)) for name in (
         "_lookups", "_saves", "_probes", "_waiting", "_decisions", "_async_blocks",
         "_key_cache", "_epoch_of", "_restored", "_failed_saves", "_loads", "_to_save")}
