@@ -226,7 +226,7 @@ class Router:
 
     # -- the held prefix -----------------------------------------------------------------
 
-    async def _token_ids(self, req: ProxyRequest) -> tuple[int, ...] | Unkeyed:
+    async def _token_ids(self, req: ProxyRequest, turn: Turn) -> tuple[int, ...] | Unkeyed:
         """The prompt's ids: the client's, else from vLLM's ``/tokenize`` on one backend
         (the first usable prefill server, else decode), within ``tokenize_timeout``."""
         if req.prompt_ids is not None:
@@ -244,6 +244,7 @@ class Router:
             except RouterError:
                 return "tokenizer"
         timeout = aiohttp.ClientTimeout(total=self.settings.tokenize_timeout)
+        t0 = time.perf_counter()
         try:
             async with self.session.post(urls[0] + "/tokenize",
                                          data=encode_json(req.tokenize),
@@ -253,6 +254,8 @@ class Router:
                 doc = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return "tokenizer"
+        finally:
+            turn.tokenize_s = time.perf_counter() - t0
         ids = doc.get("tokens") if isinstance(doc, dict) else None
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids):
@@ -266,7 +269,7 @@ class Router:
         if self.settings.pd_mode != "auto":
             return None, None
         t0 = time.perf_counter()
-        ids = await self._token_ids(req)
+        ids = await self._token_ids(req, turn)
         if isinstance(ids, str):
             held: Held | Unkeyed = ids
         else:
@@ -428,12 +431,14 @@ class Router:
         self.metrics.observe(turn)
         self.planner.learn(turn)
         log.info("conversation=%s endpoint=%s path=%s reason=%s uncached=%s held=%s "
-                 "lookup_ms=%s prefill_ms=%s restored_tokens=%d restore_ms=%.1f ttft_ms=%s "
+                 "lookup_ms=%s tokenize_ms=%s prefill_ms=%s restored_tokens=%d restore_ms=%.1f "
+                 "ttft_ms=%s "
                  "status=%s%s",
                  _quoted(turn.conversation), turn.endpoint, turn.path or "-",
                  turn.reason or "-", "-" if turn.uncached_tokens is None
                  else turn.uncached_tokens, "-" if turn.held_tokens is None
-                 else turn.held_tokens, _ms(turn.lookup_s), _ms(turn.prefill_s),
+                 else turn.held_tokens, _ms(turn.lookup_s), _ms(turn.tokenize_s),
+                 _ms(turn.prefill_s),
                  turn.restored_tokens,
                  turn.restore_ms, _ms(turn.ttft_s), turn.status or "aborted",
                  " stream_broken" if turn.stream_broken else "")

@@ -72,6 +72,7 @@ class Turn:
     prefill_usage: PromptUsage | None = None  # what the prefill call's ``usage`` said
     held_tokens: int | None = None  # of the prompt, in the shared tier (None: unknown)
     lookup_s: float | None = None  # the router's own added time: tokenize + tier lookup
+    tokenize_s: float | None = None  # of which vLLM's /tokenize (None: not called)
     probe_heads: int = 0  # store lookups the held-prefix probe made
 
     def prefill_headers(self) -> dict[str, str]:
