@@ -18,7 +18,10 @@ a permutation, so runs on the same servers never share KV):
 * ``pd_auto``: a prefill and a decode server (kvtier roles ``prefill`` / ``decode``, a
   host pool each, one shared write-through file tier), each pinned to its own core, behind
   ``kvtier router --pd-mode auto`` (selective P/D, as shipped).
-* ``pd_always``: the same two servers behind a second router with ``--pd-mode always``
+* ``pd_auto_noid``: the same, through a router of its own, with a client that sends no
+  conversation id (as LMCache's client, the OpenAI SDK): the router prices each turn by
+  what the shared tier holds of the prompt itself, as it does for ``pd_auto`` (issue 33).
+* ``pd_always``: the same two servers behind another router with ``--pd-mode always``
   (every turn prefill, then decode).
 
 Every server has the same model, ``--pd-blocks`` GPU KV blocks and prefix caching on (the
@@ -73,15 +76,19 @@ from kvtier.testing.servers import APIServer, router_process, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
 TARGET_RATIO = 1.3  # selective P/D's returning median over the one engine's
-MODES = {"pd_auto": "auto", "pd_always": "always"}  # run -> the router's --pd-mode
+#: run -> the router's --pd-mode
+MODES = {"pd_auto": "auto", "pd_auto_noid": "auto", "pd_always": "always"}
+NO_ID_RUNS = ("pd_auto_noid",)  # their client sends no conversation id
+LOOKUP = re.compile(r"lookup_ms=([0-9.]+)")
 THRESHOLD_GAUGE = "kvtier_router_pd_threshold_tokens"
 DECISION = re.compile(r'^kvtier_router_pd_decisions_total\{([^}]*)\} ([0-9.e+-]+)$', re.M)
 
 
 def shifted(work: Workload, k: int, high: int) -> Workload:
-    """``work`` with every id moved by ``k`` thirds of the id range ``[TOKEN_LOW, high)``,
-    modulo the range: the same lengths, and for k in 1..2 no id in common position with
-    ``k = 0``'s, so no chunk key in common."""
+    """``work`` with every id moved by ``k`` ``len(PD_RUNS)``-ths of the id range
+    ``[TOKEN_LOW, high)``, modulo the range: the same lengths, and for each k in
+    1..len(PD_RUNS)-1 no id in common position with ``k = 0``'s, so no chunk key in
+    common."""
     span = high - TOKEN_LOW
     step = k * (span // len(PD_RUNS))
 
@@ -105,8 +112,8 @@ def sessions(url: str, run: str, work: Workload, args: argparse.Namespace, *,
              routed: bool) -> list[Round]:
     """Play ``work`` against ``url``: ``args.concurrency`` users in flight, each sending its
     rounds back to back, the next user starting when one is done (see the module). With
-    ``routed``, each request names its conversation (the router tracks what the tier holds
-    of it)."""
+    ``routed``, each request names its conversation (the router renews its leases), unless
+    the run is one of ``NO_ID_RUNS``."""
     waiting: queue.SimpleQueue[int] = queue.SimpleQueue()
     for user in range(len(work.histories)):
         waiting.put(user)
@@ -121,7 +128,8 @@ def sessions(url: str, run: str, work: Workload, args: argparse.Namespace, *,
                 except queue.Empty:
                     return mine
                 conv = firsts[user]
-                extra = {"conversation_id": f"{run}-{user}"} if routed else None
+                named = routed and run not in NO_ID_RUNS
+                extra = {"conversation_id": f"{run}-{user}"} if named else None
                 for r, question in enumerate(work.questions[user]):
                     prompt = conv + question
                     reply = stream(client, url, prompt, args.answer_tokens, extra)
@@ -144,6 +152,17 @@ def _counts(text: str) -> dict[str, float]:
     return {"computed_tokens": metric(text, "vllm:prompt_tokens_by_source_total",
                                       source="local_compute"),
             "restored_tokens": metric(text, "kvtier_restored_tokens_total")}
+
+
+def lookup_ms(router_log: Path) -> dict[str, float]:
+    """p50/p99 of the router's own time per turn (tokenize + keys + tier lookup: the
+    ``lookup_ms`` of its log lines; auto mode only)."""
+    ms = [float(m) for m in LOOKUP.findall(router_log.read_text(errors="replace"))]
+    if len(ms) < 2:
+        return {}
+    return {"lookup_p50_ms": statistics.median(ms),
+            "lookup_p99_ms": statistics.quantiles(ms, n=100, method="inclusive")[98],
+            "lookup_turns": len(ms)}
 
 
 def summarize(rows: list[Round], decided: Counter[str], counts: dict[str, float],
@@ -238,8 +257,9 @@ def run_pd_mode(args: argparse.Namespace, model: Path, out: Path) -> None:
             rows += mine
             summary[run] = summarize(mine, decisions(page) - before_d,
                                      {n: after[n] - before[n] for n in after}, elapsed)
-            if routed:  # the auto threshold the router ended with
+            if routed:  # the auto threshold the router ended with, and its own time
                 summary[run]["threshold_tokens"] = metric(page, THRESHOLD_GAUGE)
+                summary[run] |= lookup_ms(tmp / f"router-{run}.log")
             print(run, json.dumps(summary[run]), flush=True)
         if args.keep_logs:  # servers' and routers' logs, for a post-mortem
             keep = Path(args.keep_logs)
@@ -263,7 +283,7 @@ def run_pd_mode(args: argparse.Namespace, model: Path, out: Path) -> None:
 
 def compare(summary: dict[str, Any]) -> dict[str, Any]:
     """Ratios to the one engine and the two checks (as numbers and printable lines)."""
-    one, auto, always = (summary.get(r) for r in PD_RUNS)
+    one, auto, always = (summary.get(r) for r in ("one_engine", "pd_auto", "pd_always"))
     checks: dict[str, Any] = {"lines": []}
     if one is not None:
         for s in summary.values():
@@ -292,11 +312,19 @@ def _rows(summary: dict[str, Any]) -> Iterator[str]:
                f"| {s.get('median_ratio', float('nan')):.2f}x "
                f"| {s['returning_p90_ms'] / 1e3:.3f} s | {s.get('p90_ratio', float('nan')):.2f}x "
                f"| {s['round1_median_ms'] / 1e3:.3f} s | {decided} "
-               f"| {s['computed_tokens']:.0f} | {s['restored_tokens']:.0f} |")
+               f"| {s['computed_tokens']:.0f} | {s['restored_tokens']:.0f} "
+               f"| {_lookup(s)} |")
+
+
+def _lookup(s: dict[str, Any]) -> str:
+    if "lookup_p50_ms" not in s:
+        return "-"
+    return f"{s['lookup_p50_ms']:.2f} / {s['lookup_p99_ms']:.2f} ms"
 
 
 def table(summary: dict[str, Any]) -> str:
     head = ["| configuration | returning median | / one engine | returning p90 | / one engine "
             "| first-round median | decisions (path/reason) | tokens computed "
-            "| tokens restored |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+            "| tokens restored | router lookup p50 / p99 |",
+            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     return "\n".join(head + list(_rows(summary)))

@@ -60,7 +60,8 @@ from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = ("ideal", "tails", "no_tails")
-PD_RUNS = ("one_engine", "pd_auto", "pd_always")  # --mode pd (benchmarks/multiround_pd.py)
+#: --mode pd (benchmarks/multiround_pd.py)
+PD_RUNS = ("one_engine", "pd_auto", "pd_auto_noid", "pd_always")
 TOKEN_LOW, TOKEN_HIGH = 10, 4000
 TARGET_MEDIAN, TARGET_P90 = 1.2, 1.3
 

@@ -73,6 +73,8 @@ class RouterSettings:
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
     renew_concurrency: int = DEFAULT_RENEW_CONCURRENCY
     health_interval: float = 1.0  # /health probes the backends at most this often
+    tokenize_timeout: float = 1.0  # a prompt not tokenized within this takes the prefill hop
+    probe_timeout: float = 0.1  # the held-prefix probe of the tier; what it confirmed counts
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
@@ -80,7 +82,7 @@ class RouterSettings:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"--{role} {url!r}: must be an http:// or https:// URL")
         for name in ("lease_seconds", "request_timeout", "connect_timeout", "health_timeout",
-                     "body_timeout", "health_interval"):
+                     "body_timeout", "health_interval", "tokenize_timeout", "probe_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("conversation_ttl", "heartbeat_seconds"):
@@ -160,6 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-max-direct-tokens", type=int, default=DEFAULT_MAX_DIRECT_TOKENS,
                    metavar="TOKENS", help="auto never sends a longer uncached suffix to the "
                    f"decode node (default {DEFAULT_MAX_DIRECT_TOKENS})")
+    p.add_argument("--tokenize-timeout", type=float, default=1.0, metavar="S",
+                   help="auto: a prompt vLLM's /tokenize has not answered within this takes "
+                        "the prefill hop (default 1)")
+    p.add_argument("--probe-timeout", type=float, default=0.1, metavar="S",
+                   help="auto: the held-prefix lookup asks the tier for at most this long, "
+                        "then counts what it confirmed (default 0.1)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    metavar="BYTES", help="larger request bodies get 413 (default 64 MiB)")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="S",
@@ -202,6 +210,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         body_timeout=args.body_timeout,
         max_conversations=args.max_conversations,
         renew_concurrency=args.renew_concurrency,
+        tokenize_timeout=args.tokenize_timeout,
+        probe_timeout=args.probe_timeout,
     )
 
 

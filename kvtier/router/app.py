@@ -69,6 +69,7 @@ from kvtier.router.health import HealthCache
 from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, TierRenewer
 from kvtier.router.metrics import RouterMetrics, Turn
 from kvtier.router.planner import Planner
+from kvtier.router.prefix import DEFAULT_CHUNK_TOKENS, Held, HeldLookup, PrefixReader, Unkeyed
 from kvtier.router.protocol import (
     AUTHORIZATION,
     PATHS,
@@ -78,6 +79,7 @@ from kvtier.router.protocol import (
     ProxyRequest,
     RouterError,
     decode_body,
+    encode_json,
     kvtier_params,
     param_number,
     parse_renew,
@@ -99,8 +101,10 @@ class Router:
     """The request handlers and the state they share (see the module invariants)."""
 
     def __init__(self, settings: RouterSettings, clock: Clock, renewer: ChainRenewer | None,
-                 collector: Collector | None = None) -> None:
+                 collector: Collector | None = None, prefix: PrefixReader | None = None) -> None:
         s = self.settings = settings
+        self.prefix = prefix or PrefixReader(DEFAULT_CHUNK_TOKENS, None,
+                                             probe_timeout=s.probe_timeout)
         self.clock = clock
         self.conversations = ConversationMap(s.ttl_seconds, clock.monotonic,
                                              s.max_conversations)
@@ -220,6 +224,61 @@ class Router:
             raise RouterError(502, f"{role} backend {url} answered non-JSON: {data[:200]!r}",
                               "backend_error") from None
 
+    # -- the held prefix -----------------------------------------------------------------
+
+    async def _token_ids(self, req: ProxyRequest, turn: Turn) -> tuple[int, ...] | Unkeyed:
+        """The prompt's ids: the client's, else from vLLM's ``/tokenize`` on one backend
+        (the first usable prefill server, else decode), within ``tokenize_timeout``."""
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        if req.tokenize is None:
+            return req.unkeyed or "unsupported_prompt"
+        headers = {"Content-Type": "application/json"}
+        if req.authorization is not None:
+            headers[AUTHORIZATION] = req.authorization
+        try:
+            urls = self.pools["prefill"].candidates(None)
+        except RouterError:
+            try:
+                urls = self.pools["decode"].candidates(None)
+            except RouterError:
+                return "tokenizer"
+        timeout = aiohttp.ClientTimeout(total=self.settings.tokenize_timeout)
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(urls[0] + "/tokenize",
+                                         data=encode_json(req.tokenize),
+                                         headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return "tokenizer"
+                doc = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return "tokenizer"
+        finally:
+            turn.tokenize_s = time.perf_counter() - t0
+        ids = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids):
+            return "tokenizer"
+        return tuple(ids)
+
+    async def _held(self, req: ProxyRequest,
+                    turn: Turn) -> tuple[tuple[int, ...] | None, Held | Unkeyed | None]:
+        """The prompt's ids and what the shared tier holds of it (auto mode only: a forced
+        path needs neither); the time it took is the router's own cost of the turn."""
+        if self.settings.pd_mode != "auto":
+            return None, None
+        t0 = time.perf_counter()
+        ids = await self._token_ids(req, turn)
+        if isinstance(ids, str):
+            held: Held | Unkeyed = ids
+        else:
+            held = await self.prefix.held(req.identity, ids)
+        turn.lookup_s = time.perf_counter() - t0
+        if isinstance(held, Held):
+            turn.probe_heads = held.heads
+        return None if isinstance(ids, str) else ids, held
+
     # -- the path of a turn --------------------------------------------------------------
 
     async def prefill(self, req: ProxyRequest, turn: Turn) -> dict[str, Any] | None:
@@ -255,7 +314,8 @@ class Router:
         if req.stream:
             return await self._decode_stream(request, req, key, body, handoff, headers, turn)
         data, content_type, doc = await self._call_json("decode", req, body)
-        turn.ttft_s = time.perf_counter() - turn.started
+        turn.ttft_s = time.perf_counter() - turn.started  # the whole answer (not streamed)
+        self.planner.dequeue(turn)
         self.planner.remember(key, req, turn, handoff, doc)
         if not show_hits and isinstance(doc, dict) and "kv_transfer_params" in doc:
             doc.pop("kv_transfer_params")
@@ -286,6 +346,8 @@ class Router:
             async for chunk in resp.content.iter_any():
                 if turn.ttft_s is None:
                     turn.ttft_s = time.perf_counter() - turn.started
+                    turn.streamed = True
+                    self.planner.dequeue(turn)  # its prompt is computed: no longer queued
                 await out.write(chunk)
         except ConnectionResetError:
             log.warning("client went away while streaming from %s", url)
@@ -347,12 +409,15 @@ class Router:
             key = self._conversation_key(tenant, req.conversation_id)
             turn.conversation = req.conversation_id
             state = self.conversations.get(key) if key is not None else None
-            decision = self.planner.plan(req, state, turn)
+            ids, held = await self._held(req, turn)
+            decision = self.planner.plan(req, state, held, turn)
             show_hits = (self.tenants is None
                          or request.headers.get(REPORT_HEADER, "").strip().lower() == "hits")
             if decision.path == "decode_only":
                 return await self._decode_only(request, req, key, turn, show_hits)
             handoff = await self.prefill(req, turn)
+            if ids is not None:  # the digest of this identity, checked against these ids
+                self.prefix.book.learn(req.identity, ids, handoff)
             return await self.decode(request, req, key, handoff, turn, show_hits)
         except (RouterError, BackendRejected) as e:
             return e.response()
@@ -365,11 +430,16 @@ class Router:
     def _finish(self, turn: Turn) -> None:
         self.metrics.observe(turn)
         self.planner.learn(turn)
-        log.info("conversation=%s endpoint=%s path=%s reason=%s uncached=%s prefill_ms=%s "
-                 "restored_tokens=%d restore_ms=%.1f ttft_ms=%s status=%s%s",
+        log.info("conversation=%s endpoint=%s path=%s reason=%s uncached=%s held=%s "
+                 "lookup_ms=%s tokenize_ms=%s prefill_ms=%s restored_tokens=%d restore_ms=%.1f "
+                 "ttft_ms=%s "
+                 "status=%s%s",
                  _quoted(turn.conversation), turn.endpoint, turn.path or "-",
                  turn.reason or "-", "-" if turn.uncached_tokens is None
-                 else turn.uncached_tokens, _ms(turn.prefill_s), turn.restored_tokens,
+                 else turn.uncached_tokens, "-" if turn.held_tokens is None
+                 else turn.held_tokens, _ms(turn.lookup_s), _ms(turn.tokenize_s),
+                 _ms(turn.prefill_s),
+                 turn.restored_tokens,
                  turn.restore_ms, _ms(turn.ttft_s), turn.status or "aborted",
                  " stream_broken" if turn.stream_broken else "")
 
@@ -423,7 +493,11 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
         renewer = owned = TierRenewer(settings.tiers, clock)
         if collector is None and settings.collect:
             collector = functools.partial(owned.expire, settings.lease_seconds)
-    router = Router(settings, clock, renewer, collector)
+    prefix = PrefixReader(
+        owned.chunk_tokens if owned is not None else DEFAULT_CHUNK_TOKENS,
+        HeldLookup(owned.tiers) if owned is not None else None,
+        probe_timeout=settings.probe_timeout)
+    router = Router(settings, clock, renewer, collector, prefix)
     guards: list[Middleware] = [router.limit.middleware]  # authentication goes first
     if router.auth is not None:
         guards.insert(0, require_key(router.auth, router.metrics.reject))

@@ -44,20 +44,11 @@ class ConversationState:
     turns: int
     renewed: float  # last time its chain's leases were known fresh (written or renewed)
     anchor: TokenAnchor | None = None
-    held_tokens: int = 0  # tokens of it the tier holds (stored by its last turn), as known
 
     @property
     def last_key(self) -> str | None:
         key = self.params.get("last_key")
         return key if isinstance(key, str) and key else None
-
-
-def params_tokens(params: Mapping[str, Any] | None) -> int:
-    """``params["tokens"]`` if it is a positive integer, else 0."""
-    tokens = params.get("tokens") if params is not None else None
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
-        return tokens
-    return 0
 
 
 class ConversationMap:
@@ -99,20 +90,18 @@ class ConversationMap:
         return self._entries.get(conversation_id)
 
     def record(self, conversation_id: str, params: Mapping[str, Any],
-               anchor: TokenAnchor | None = None,
-               held_tokens: int | None = None) -> ConversationState:
+               anchor: TokenAnchor | None = None) -> ConversationState:
         """Store the params of a completed turn; counts turns while the entry stays live.
-        ``held_tokens`` defaults to the params' ``tokens``. A new entry's chain counts as
+        A new entry's chain counts as
         just written (``renewed = now``); a known one keeps its renewal time (a turn need
         not read every chunk of its chain)."""
         previous = self.get(conversation_id)
         now = self._now()
-        held = params_tokens(params) if held_tokens is None else held_tokens
         if previous is None:
-            state = ConversationState(dict(params), now, 1, now, anchor, held)
+            state = ConversationState(dict(params), now, 1, now, anchor)
         else:
             state = ConversationState(dict(params), now, previous.turns + 1, previous.renewed,
-                                      anchor or previous.anchor, held)
+                                      anchor or previous.anchor)
         return self._put(conversation_id, state)
 
     def touch(self, conversation_id: str) -> ConversationState | None:

@@ -184,7 +184,9 @@ class TierRenewer:
         from kvtier.build import build_lower_tiers
         from kvtier.config import load_config
 
-        self.tiers = [lt.tier for lt in build_lower_tiers(load_config(config), clock)]
+        cfg = load_config(config)
+        self.chunk_tokens = cfg.chunk_tokens  # the engines' (they share this config)
+        self.tiers = [lt.tier for lt in build_lower_tiers(cfg, clock)]
 
     def __call__(self, last_key_hex: str) -> int:
         from kvtier.lease import renew_chain

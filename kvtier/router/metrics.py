@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from kvtier.router.protocol import Endpoint, PromptUsage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LOOKUP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 
@@ -57,7 +58,8 @@ class Turn:
     restored_tokens: int = 0
     restore_ms: float = 0.0
     restored_by_tier: dict[str, int] = field(default_factory=dict)
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # to the first byte (non-streamed: to the whole answer)
+    streamed: bool = False  # ttft_s is a first byte (the cost fit learns only from these)
     status: int = 0
     stream_broken: bool = False
     path: str | None = None  # "prefill_decode" or "decode_only", once decided
@@ -68,6 +70,10 @@ class Turn:
     prompt_tokens: int | None = None  # exact or estimated, as the decision used it
     prefill_tokens: int | None = None  # the tokens the prefill call's params hold
     prefill_usage: PromptUsage | None = None  # what the prefill call's ``usage`` said
+    held_tokens: int | None = None  # of the prompt, in the shared tier (None: unknown)
+    lookup_s: float | None = None  # the router's own added time: tokenize + tier lookup
+    tokenize_s: float | None = None  # of which vLLM's /tokenize (None: not called)
+    probe_heads: int = 0  # store lookups the held-prefix probe made
 
     def prefill_headers(self) -> dict[str, str]:
         """What the prefill phase did, for clients and benchmarks (known before decode)."""
@@ -126,6 +132,10 @@ class RouterMetrics:
         self.path_ttft = Histogram("kvtier_router_path_ttft_seconds",
                                    "Request arrival to first decode byte, by path",
                                    ["path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.lookup = Histogram("kvtier_router_prefix_lookup_seconds",
+                                "Time the router spent finding a prompt's held prefix "
+                                "(tokenize, keys, tier index and probe)",
+                                buckets=_LOOKUP_BUCKETS, registry=r)
         self.tenant_reloads = Counter("kvtier_router_tenant_reloads_total",
                                       "Tenants file loads by result (ok, error)", ["result"],
                                       registry=r)
@@ -159,6 +169,8 @@ class RouterMetrics:
             self.ttft.observe(turn.ttft_s)
             if turn.path is not None:
                 self.path_ttft.labels(turn.path).observe(turn.ttft_s)
+        if turn.lookup_s is not None:
+            self.lookup.observe(turn.lookup_s)
         if turn.path is not None and turn.reason is not None:
             self.decisions.labels(turn.path, turn.reason).inc()
             if turn.uncached_tokens is not None:

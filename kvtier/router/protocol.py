@@ -37,6 +37,8 @@ from typing import Any, Literal, TypeGuard
 
 from aiohttp import web
 
+from kvtier.router.prefix import Identity, Unkeyed, identity_of
+
 Endpoint = Literal["completions", "chat"]
 
 CONVERSATION_HEADER = "X-Conversation-Id"
@@ -90,6 +92,11 @@ class ProxyRequest:
     authorization: str | None = None  # the caller's header, forwarded to the backends
     prompt_bytes: int = 0  # UTF-8 bytes of the prompt text (chat: of the contents)
     prompt_tokens: int | None = None  # exact, when the prompt is token ids
+    identity: Identity = (None, None)  # (cache_salt, model): selects the namespace
+    prompt_ids: tuple[int, ...] | None = None  # the prompt's ids, when the client sent them
+    #: the vLLM ``/tokenize`` body giving the prompt's ids (encoded only when sent: auto mode)
+    tokenize: Mapping[str, Any] | None = None
+    unkeyed: Unkeyed | None = None  # why the prompt's keys cannot be computed, if so
 
 
 def encode_json(doc: object) -> bytes:
@@ -203,8 +210,57 @@ def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], *,
         body["cache_salt"] = salt
     own = {k: body.pop(k) for k in PHASE_FIELDS if k in body}
     size, exact = prompt_size(endpoint, body)
+    ids = tuple(body["prompt"]) if exact is not None else None
+    tokenize, unkeyed = (None, None) if ids is not None else tokenize_request(endpoint, body)
     return ProxyRequest(endpoint, stream, cid, own, encode_json(body),
-                        headers.get(AUTHORIZATION), size, exact)
+                        headers.get(AUTHORIZATION), size, exact, identity_of(body), ids,
+                        tokenize, unkeyed)
+
+
+#: The chat fields vLLM's ``/tokenize`` takes besides ``messages``: those that change how
+#: the chat template renders the prompt (``vllm.entrypoints.serve.tokenize.protocol``).
+TOKENIZE_CHAT_FIELDS = ("model", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs",
+                        "tools", "mm_processor_kwargs")
+#: Chat fields that change the rendered prompt which ``/tokenize`` does not take.
+UNTOKENIZABLE_CHAT_FIELDS = ("documents",)
+
+
+def _multimodal(messages: object) -> bool:
+    """Whether any message has a content part other than text."""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+                not isinstance(p, dict | str) or (isinstance(p, dict)
+                                                  and p.get("type", "text") != "text")
+                for p in content):
+            return True
+    return False
+
+
+def tokenize_request(endpoint: Endpoint,
+                     body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, Unkeyed | None]:
+    """The vLLM ``/tokenize`` body that gives the ids the engine will hash for this
+    completion request, or why there is none: ``multimodal`` (images, audio, ... are keyed
+    by their content, which only the engine sees), ``unsupported_prompt`` (a batch of
+    prompts, prompt embeddings, or template fields ``/tokenize`` does not take)."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if _multimodal(messages):
+            return None, "multimodal"
+        if not isinstance(messages, list) or any(f in body for f in UNTOKENIZABLE_CHAT_FIELDS):
+            return None, "unsupported_prompt"
+        return {"messages": messages} | {f: body[f] for f in TOKENIZE_CHAT_FIELDS
+                                         if f in body}, None
+    prompt = body.get("prompt")
+    if "prompt_embeds" in body or "multi_modal_data" in body:
+        return None, "multimodal" if "multi_modal_data" in body else "unsupported_prompt"
+    if not isinstance(prompt, str):
+        return None, "unsupported_prompt"
+    return {"prompt": prompt} | {f: body[f] for f in ("model", "add_special_tokens")
+                                 if f in body}, None
 
 
 def parse_renew(raw: bytes) -> str:

@@ -47,7 +47,10 @@ from typing import Literal
 PDMode = Literal["auto", "always", "never"]
 PD_MODES: tuple[PDMode, ...] = ("auto", "always", "never")
 PathName = Literal["prefill_decode", "decode_only"]
-Reason = Literal["forced", "short", "prefill_busy", "decode_busy", "long"]
+#: ``forced`` .. ``long``: ``decide``'s; the rest (``prefix.Unkeyed``): the prompt's held
+#: prefix is unknown, so the turn takes the prefill hop.
+Reason = Literal["forced", "short", "prefill_busy", "decode_busy", "long", "no_tier",
+                 "multimodal", "unsupported_prompt", "no_namespace", "tokenizer"]
 
 #: Used until the router has measured its prefill calls: a few hundred tokens of prefill
 #: (tens of ms on a GPU) is about what one extra HTTP hop plus a publish/restore round

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtier.router.app import ROUTER_KEY
 from kvtier.router.metrics import Turn
 from kvtier.router.planner import computed_tokens
 from kvtier.router.protocol import PromptUsage, prompt_usage
@@ -25,7 +28,16 @@ from kvtier.router.selective import (
     PathCosts,
     decide,
 )
-from tests.router.fakes import Backend, completion_of, harness, post, run, stream_text
+from tests.router.fakes import (
+    Backend,
+    Harness,
+    completion_of,
+    harness,
+    post,
+    run,
+    stream_text,
+    tiered_harness,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,6 +155,8 @@ def test_the_estimate_counts_only_the_bytes_added_since_the_anchor() -> None:
 
 
 # -- the router ------------------------------------------------------------------------------
+# The fake engines store real chunk objects (16 tokens, blocks of 4; one token per byte) in
+# a file tier the router opens with --tiers: the router's held count is the tier's.
 
 
 async def metrics_text(h: object) -> str:
@@ -150,55 +164,89 @@ async def metrics_text(h: object) -> str:
         return str(await resp.text())
 
 
-def test_a_short_follow_up_goes_decode_only_and_a_long_turn_prefill_then_decode() -> None:
+def decisions(text: str) -> list[tuple[str, str, str]]:
+    return sorted(re.findall(
+        r'kvtier_router_pd_decisions_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text))
+
+
+async def chat(h: Harness, messages: list[dict[str, str]], cid: str | None = None,
+               **headers: str) -> tuple[str, str]:
+    body: dict[str, object] = {"messages": messages, "model": "m"}
+    if cid is not None:
+        body["conversation_id"] = cid
+    status, doc, resp_headers = await post(h, body, "/v1/chat/completions", **headers)
+    assert status == 200, doc
+    return resp_headers["X-KVTier-Path"], doc["choices"][0]["text"]
+
+
+def test_a_client_without_ids_gets_decode_only_for_returning_turns(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with harness(pd_mode="auto") as h:
-            first = "a long first turn " * 200  # 3600 bytes: 900 tokens by the default
-            status, doc, headers = await post(h, {"prompt": first, "conversation_id": "c"})
-            assert status == 200 and headers["X-KVTier-Path"] == "prefill_decode"
-            assert len(h.prefill.bodies) == 1
-            follow_up = first + doc["choices"][0]["text"] + " and a short question?"
-            status, doc, headers = await post(h, {"prompt": follow_up, "conversation_id": "c"})
-            assert status == 200 and headers["X-KVTier-Path"] == "decode_only"
-            assert len(h.prefill.bodies) == 1  # the prefill node got no request
-            assert h.decode.bodies[-1]["kv_transfer_params"] == {"kvtier": {"phase": "decode"}}
-            assert doc["choices"][0]["text"] == "".join(completion_of(follow_up))
-            assert "X-KVTier-Prefill-Ms" not in headers
-            long_turn = follow_up + doc["choices"][0]["text"] + " new document " * 300
-            status, _, headers = await post(h, {"prompt": long_turn, "conversation_id": "c"})
-            assert headers["X-KVTier-Path"] == "prefill_decode" and len(h.prefill.bodies) == 2
+        async with tiered_harness(tmp_path) as h:
+            history = [{"role": "user", "content": "a long first question " * 40}]
+            path, answer = await chat(h, history)  # 880 tokens, nothing held, ns unknown
+            assert path == "prefill_decode"
+            history += [{"role": "assistant", "content": answer},
+                        {"role": "user", "content": "and a short follow-up?"}]
+            path, answer = await chat(h, history)
+            assert path == "decode_only" and len(h.prefill.bodies) == 1
+            router = h.client.app[ROUTER_KEY]
+            assert len(router.conversations) == 0  # nothing tracked: no id was sent
+            history += [{"role": "assistant", "content": answer},
+                        {"role": "user", "content": "a new document " * 100}]
+            assert (await chat(h, history))[0] == "prefill_decode"  # 1,500 new tokens
             text = await metrics_text(h)
-        decisions = re.findall(
-            r'kvtier_router_pd_decisions_total\{path="(\w+)",reason="(\w+)"\} (\S+)', text)
-        assert sorted(decisions) == [("decode_only", "short", "1.0"),
-                                     ("prefill_decode", "long", "2.0")]
-        assert 'kvtier_router_uncached_tokens_bucket{le="64.0",path="decode_only"} 1.0' in text
-        assert 'kvtier_router_path_ttft_seconds_count{path="decode_only"} 1.0' in text
-        assert 'kvtier_router_path_ttft_seconds_count{path="prefill_decode"} 2.0' in text
-        assert f"kvtier_router_pd_threshold_tokens {DEFAULT_THRESHOLD_TOKENS}.0" in text
+        assert decisions(text) == [("decode_only", "short", "1.0"),
+                                   ("prefill_decode", "long", "1.0"),
+                                   ("prefill_decode", "no_namespace", "1.0")]
+        assert "kvtier_router_prefix_lookup_seconds_count 3.0" in text
     run(scenario)
 
 
-def test_a_streamed_decode_only_turn_streams_and_is_remembered() -> None:
+def test_a_compacted_history_under_the_same_id_takes_the_prefill_hop(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with harness(pd_mode="auto") as h:
-            status, text, _ = await stream_text(h, "short", "c")
-            assert status == 200 and text == "".join(completion_of("short"))
-            assert h.prefill.bodies == []
+        async with tiered_harness(tmp_path) as h:
+            first = [{"role": "user", "content": "turn one of a coding session " * 60}]
+            path, answer = await chat(h, first, "agent")
+            assert path == "prefill_decode"
+            second = [*first, {"role": "assistant", "content": answer},
+                      {"role": "user", "content": "+40 tokens of a question here"}]
+            path, _ = await chat(h, second, "agent")
+            assert path == "decode_only"
+            # the client summarises and replaces its history: as long, all new tokens
+            compacted = [{"role": "user", "content": "Summary: " + "compacted text " * 120}]
+            path, _ = await chat(h, compacted, "agent")
+            assert path == "prefill_decode" and len(h.prefill.bodies) == 2
+            # an edited history of the same length: what changed is not held
+            edited = [{"role": "user", "content": "turn 1 of a coding session " * 60}, *second[1:]]
+            assert (await chat(h, edited, "agent"))[0] == "prefill_decode"
+            assert len(h.client.app[ROUTER_KEY].conversations) == 1  # still renewable
+    run(scenario)
+
+
+def test_a_streamed_decode_only_turn_streams_and_is_remembered(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with tiered_harness(tmp_path) as h:
+            prompt = "a streamed conversation " * 20
+            assert (await stream_text(h, prompt, "c"))[0] == 200  # learns the namespace
+            follow = prompt + "".join(completion_of(prompt)) + " short"
+            status, text, _ = await stream_text(h, follow, "c")
+            assert status == 200 and text == "".join(completion_of(follow))
+            assert len(h.prefill.bodies) == 1  # the follow-up went decode-only
             _, _, headers = await post(h, {"prompt": "short, again", "conversation_id": "c"})
             assert headers["X-KVTier-Conversation"] == "known"
     run(scenario)
 
 
-def test_a_busy_prefill_node_sends_a_medium_turn_decode_only() -> None:
+def test_a_busy_prefill_node_sends_a_medium_turn_decode_only(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with harness(prefill=Backend(mode="hang"), pd_mode="auto",
-                           pd_default_threshold=100) as h:
-            stuck = asyncio.create_task(post(h, {"prompt": "x" * 4000}))  # 1000 tokens queued
-            await asyncio.wait_for(h.prefill.wait_for_calls(1), 5)
-            status, _, headers = await post(h, {"prompt": "y" * 1200})  # 300 tokens
+        async with tiered_harness(tmp_path, pd_default_threshold=100) as h:
+            await post(h, {"prompt": "warm up"})  # learns the namespace
+            h.prefill.mode = "hang"
+            stuck = asyncio.create_task(post(h, {"prompt": "x" * 1000}))  # 1000 queued
+            await asyncio.wait_for(h.prefill.wait_for_calls(2), 5)
+            status, _, headers = await post(h, {"prompt": "y" * 300})  # 300 tokens
             assert status == 200 and headers["X-KVTier-Path"] == "decode_only"
-            assert len(h.prefill.bodies) == 1
+            assert len(h.prefill.bodies) == 2
             h.prefill.mode = "ok"
             h.prefill.release.set()
             assert (await stuck)[0] == 200
@@ -209,21 +257,147 @@ def test_a_busy_prefill_node_sends_a_medium_turn_decode_only() -> None:
 
 @pytest.mark.parametrize(("mode", "path"), [("always", "prefill_decode"),
                                             ("never", "decode_only")])
-def test_pd_mode_forces_the_path(mode: str, path: str) -> None:
+def test_pd_mode_forces_the_path_without_a_lookup(mode: str, path: str) -> None:
     async def scenario() -> None:
         async with harness(pd_mode=mode) as h:
             for prompt in ("tiny", "huge " * 5000):
                 status, _, headers = await post(h, {"prompt": prompt})
                 assert status == 200 and headers["X-KVTier-Path"] == path
             assert len(h.prefill.bodies) == (2 if mode == "always" else 0)
+            assert h.prefill.tokenized == h.decode.tokenized == []
     run(scenario)
 
 
-def test_token_id_prompts_are_counted_exactly() -> None:
+def test_token_id_prompts_are_keyed_without_tokenizing(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with harness(pd_mode="auto", pd_default_threshold=10) as h:
-            _, _, headers = await post(h, {"prompt": list(range(10))})
+        async with tiered_harness(tmp_path, pd_default_threshold=16) as h:
+            base = list(range(1, 200))
+            await post(h, {"prompt": base})  # learns the namespace; prefill stores 196
+            _, _, headers = await post(h, {"prompt": base + [7] * 10})
+            assert headers["X-KVTier-Path"] == "decode_only"  # 13 uncached: 12 chunks + tail
+            _, _, headers = await post(h, {"prompt": base + [7] * 20})
+            assert headers["X-KVTier-Path"] == "decode_only"  # the last turn stored 208
+            _, _, headers = await post(h, {"prompt": base + [9] * 30})
+            assert headers["X-KVTier-Path"] == "prefill_decode"  # 33 uncached
+            assert h.prefill.tokenized == h.decode.tokenized == []
+    run(scenario)
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ("no_tiers", "no_tier"),
+    ("image", "multimodal"),
+    ("documents", "unsupported_prompt"),
+    ("tokenizer_fails", "tokenizer"),
+    ("tokenizer_hangs", "tokenizer"),
+])
+def test_a_prompt_whose_keys_cannot_be_computed_takes_the_prefill_hop(
+        tmp_path: Path, change: str, reason: str) -> None:
+    async def scenario() -> None:
+        prefill = Backend(tokenize_mode={"tokenizer_fails": "fail500",
+                                         "tokenizer_hangs": "hang"}.get(change, "ok"))
+        content: object = "short"
+        body: dict[str, object] = {}
+        if change == "image":
+            content = [{"type": "text", "text": "what is this?"},
+                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+        if change == "documents":
+            body["documents"] = [{"title": "t", "text": "d"}]
+        ctx = (harness(prefill, pd_mode="auto") if change == "no_tiers"
+               else tiered_harness(tmp_path, prefill, tokenize_timeout=0.2))
+        async with ctx as h:
+            body["messages"] = [{"role": "user", "content": content}]
+            status, _, headers = await post(h, body, "/v1/chat/completions")
+            assert status == 200 and headers["X-KVTier-Path"] == "prefill_decode"
+            text = await metrics_text(h)
+        assert decisions(text) == [("prefill_decode", reason, "1.0")]
+    run(scenario)
+
+
+def test_tenants_hold_only_their_own_prefixes(tmp_path: Path) -> None:
+    keys = {"sk-acme-0123456789abcdef": "acme", "sk-globex-fedcba98765": "globex"}
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"keys": keys}))
+    acme, globex = ({"Authorization": f"Bearer {k}"} for k in keys)
+
+    async def scenario() -> None:
+        async with tiered_harness(tmp_path, tenants=tenants) as h:
+            for who in (acme, globex):  # each learns its own namespace
+                assert (await chat(h, [{"role": "user", "content": "hi"}], **who))[0] == \
+                    "prefill_decode"
+            secret = [{"role": "user", "content": "acme's confidential document " * 40}]
+            await chat(h, secret, **acme)
+            probe = [*secret, {"role": "user", "content": "?"}]
+            # globex sends acme's exact history: nothing of it is globex's, so the long hop
+            status, doc, headers = await post(h, {"messages": probe, "model": "m"},
+                                              "/v1/chat/completions", **globex)
+            assert status == 200 and headers["X-KVTier-Path"] == "prefill_decode"
+            assert not any(name.startswith("X-KVTier-Restore") for name in headers)
+            assert "kv_transfer_params" not in doc
+            assert (await chat(h, probe, **acme))[0] == "decode_only"  # acme's own: held
+            salts = {b.get("cache_salt") for b in h.prefill.tokenized}
+            assert len(salts) == 1 and None in salts  # /tokenize is not salted: no KV
+    run(scenario)
+
+
+def test_the_namespace_is_learnt_only_from_answers_that_verify(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with tiered_harness(tmp_path) as h:
+            h.prefill.last_key = "00" * 16
+            kv = h.prefill.kv
+            assert kv is not None
+            real_save = kv.save
+
+            def forged(body: dict[str, object], ids: list[int]) -> dict[str, object]:
+                return real_save(body, ids) | {"last_key": "00" * 16}
+
+            kv.save = forged  # type: ignore[method-assign]
+            prompt = "a conversation " * 20
+            for _ in range(2):  # a last_key that is not this prompt's: never learnt
+                _, _, headers = await post(h, {"prompt": prompt})
+                assert headers["X-KVTier-Path"] == "prefill_decode"
+            kv.save = real_save  # type: ignore[method-assign]
+            await post(h, {"prompt": prompt})
+            _, _, headers = await post(h, {"prompt": prompt + " more"})
             assert headers["X-KVTier-Path"] == "decode_only"
-            _, _, headers = await post(h, {"prompt": list(range(11))})
-            assert headers["X-KVTier-Path"] == "prefill_decode"
+            text = await metrics_text(h)
+        assert ("prefill_decode", "no_namespace", "3.0") in decisions(text)
+    run(scenario)
+
+
+# -- what the cost fit learns from -----------------------------------------------------------
+
+
+def test_non_streamed_turns_teach_only_the_prefill_line() -> None:
+    from kvtier.router import RouterSettings
+    from kvtier.router.conversations import ConversationMap
+    from kvtier.router.planner import Planner
+
+    planner = Planner(RouterSettings(prefill=("http://p",), decode=("http://d",)),
+                      ConversationMap(10.0, lambda: 0.0))
+
+    def turn(path: str, streamed: bool, ttft: float) -> Turn:
+        return Turn("chat", 0.0, path=path, status=200, prefill_s=0.05, ttft_s=ttft,
+                    streamed=streamed, prefill_tokens=500, uncached_tokens=500)
+
+    for _ in range(MIN_OBSERVATIONS):  # the whole answer took 4 s: not a first byte
+        planner.learn(turn("prefill_decode", False, 4.0))
+        planner.learn(turn("decode_only", False, 4.0))
+    assert planner.costs.prefill.n == MIN_OBSERVATIONS
+    assert planner.costs.decode_leg.value is None and planner.costs.direct.n == 0
+    planner.learn(turn("prefill_decode", True, 0.08))
+    planner.learn(turn("decode_only", True, 0.03))
+    assert planner.costs.decode_leg.value == pytest.approx(0.03)
+    assert planner.costs.direct.n == 1
+
+
+def test_a_decode_only_turn_leaves_the_queue_at_its_first_byte(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        decode = Backend(mode="stall")  # streams one piece, then hangs
+        async with tiered_harness(tmp_path, decode=decode, pd_mode="never") as h:
+            router = h.client.app[ROUTER_KEY]
+            task = asyncio.create_task(stream_text(h, "x" * 300, None))
+            await asyncio.wait_for(decode.hanging.wait(), 5)  # first byte out, still going
+            assert router.planner.queued["decode_only"] == 0.0
+            decode.release.set()
+            assert (await task)[0] == 200
     run(scenario)

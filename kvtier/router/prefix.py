@@ -1,0 +1,274 @@
+"""The held prefix of a prompt, read from the shared tier: what selective P/D prices a turn by.
+
+A returning turn is cheap decode-only because the decode node restores what the tier holds
+of its prompt. The router therefore asks the tier itself, from the prompt's own content,
+never from a client hint (a conversation id says nothing about a compacted or edited
+history):
+
+1. **Token ids.** The request's own ids (a completions prompt of ids), else vLLM's
+   ``/tokenize`` on a backend (``protocol.ProxyRequest.tokenize``: the same messages, chat
+   template and template fields the completion call carries), so the ids are the ones the
+   engine will hash.
+2. **Keys.** ``kvtier.keys.chunk_keys`` / ``tail_key`` over those ids, exactly as the
+   engines do (``kvtier.vllm.scheduler_side``), under the namespace digest of the request's
+   identity: its ``cache_salt`` (a tenant's salt, with tenants) and its ``model`` (a LoRA
+   adapter is selected by model name). That digest mixes in what only the engine knows
+   (geometry, adapter fingerprint, weights epoch), so it is *learnt from the backends'
+   answers* (``NamespaceBook``): a prefill call returns ``namespace``, ``tokens`` and
+   ``last_key``, and the router keeps the digest only if the key it computes over the
+   same ids under it equals ``last_key``. An identity seen for the first time, or whose
+   answers do not verify (a sliding-window or hybrid model, whose ``last_key`` names other
+   objects), has no digest: its turns take the prefill hop.
+3. **Lookup** (``HeldLookup``): the leading full chunks the tier's index knows (memory),
+   then one bounded probe at the frontier (a worker thread, at most ``max_heads`` store
+   lookups and ``probe_timeout`` seconds): a binary search over the remaining chunk keys
+   for the last one stored, then the longest stored tail of the next chunk (block
+   granularity, when the block size has been learnt). The binary search assumes what the
+   engines' writes give: a chain is stored from its first chunk on, so whether a chunk is
+   stored is monotone along the chain. A probe that times out counts what it confirmed.
+
+Invariants:
+
+* Keys are always computed under the request's own identity: a tenant's lookups use only
+  its salt's digest, so what one tenant's prompts left in the tier never changes another
+  tenant's path, timing or hit report.
+* A prompt whose keys cannot be computed has no held count (``Unkeyed`` names why): the
+  caller sends it through the prefill hop.
+* ``NamespaceBook`` and ``HeldLookup.index_prefix`` run on the event loop's thread and
+  touch memory only; ``HeldLookup.probe`` does I/O and runs on a worker thread (it reads
+  and writes only its own ``Probe``, and the tiers, which any thread may call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvtier.keys import ChunkKey, chunk_keys, tail_key
+from kvtier.tiers.base import Tier
+
+#: Why a prompt's held prefix is unknown (a ``kvtier_router_pd_decisions_total`` reason).
+Unkeyed = Literal["no_tier", "multimodal", "unsupported_prompt", "no_namespace",
+                  "tokenizer"]
+UNKEYED: tuple[Unkeyed, ...] = ("no_tier", "multimodal", "unsupported_prompt",
+                                "no_namespace", "tokenizer")
+
+#: Identities (salt x model) whose digest is kept; least recently used go first.
+MAX_NAMESPACES = 4096
+#: ``chunk_tokens`` when the router has no tiers config (nothing is looked up then).
+DEFAULT_CHUNK_TOKENS = 256
+#: Store lookups one probe may make (a binary search over 1,000 chunks needs 10).
+DEFAULT_MAX_HEADS = 24
+
+Identity = tuple[str | None, str | None]  # (cache_salt, model)
+
+
+def identity_of(body: Mapping[str, Any]) -> Identity:
+    """What selects a request's namespace besides the engine: its ``cache_salt`` and
+    ``model`` (a LoRA adapter's name), as the client body (after the tenant's salt is set)
+    carries them."""
+    salt, model = body.get("cache_salt"), body.get("model")
+    return (salt if isinstance(salt, str) else None, model if isinstance(model, str) else None)
+
+
+@dataclass
+class _Learnt:
+    digest: bytes
+    block_tokens: int  # a multiple of the engine's block size (gcd of what was seen)
+
+
+class NamespaceBook:
+    """Namespace digests learnt from verified backend answers, per ``Identity``, and the
+    granularity of stored tails (see the module docstring). Event loop thread only."""
+
+    def __init__(self, chunk_tokens: int, capacity: int = MAX_NAMESPACES) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.capacity = capacity
+        self._entries: OrderedDict[Identity, _Learnt] = OrderedDict()
+
+    def get(self, identity: Identity) -> tuple[bytes, int] | None:
+        """``(digest, tail granularity in tokens)`` of ``identity``, or None if not learnt.
+        The granularity is ``chunk_tokens`` (no tails) until a tail was seen."""
+        got = self._entries.get(identity)
+        if got is None:
+            return None
+        self._entries.move_to_end(identity)
+        return got.digest, got.block_tokens
+
+    def learn(self, identity: Identity, ids: Sequence[int],
+              params: Mapping[str, Any] | None) -> bool:
+        """Keep ``params["namespace"]`` for ``identity`` if the key of the first
+        ``params["tokens"]`` of ``ids`` under it is ``params["last_key"]``; True if kept."""
+        if params is None:
+            return False
+        ns_hex, tokens, last = (params.get("namespace"), params.get("tokens"),
+                                params.get("last_key"))
+        if (not isinstance(ns_hex, str) or not isinstance(last, str)
+                or not isinstance(tokens, int) or isinstance(tokens, bool)
+                or not 0 < tokens <= len(ids)):
+            return False
+        try:
+            digest = bytes.fromhex(ns_hex)
+        except ValueError:
+            return False
+        ct = self.chunk_tokens
+        n, rest = divmod(tokens, ct)
+        keys = chunk_keys(digest, ids[: n * ct], ct)
+        end = tail_key(keys[-1] if keys else digest, ids[n * ct: tokens]) if rest else keys[-1]
+        if end.hex() != last:
+            return False
+        known = self._entries.get(identity)
+        grain = ct if known is None or known.digest != digest else known.block_tokens
+        self._entries[identity] = _Learnt(digest, math.gcd(grain, rest) if rest else grain)
+        self._entries.move_to_end(identity)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return True
+
+
+@dataclass
+class Probe:
+    """What one probe confirmed so far (written by its worker thread; read after it
+    finished or timed out, where a stale read only undercounts)."""
+
+    chunks: int  # leading full chunks confirmed stored
+    tail_tokens: int = 0  # tokens of the longest stored tail of the next chunk
+    heads: int = 0  # store lookups made
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the tier holds of one prompt."""
+
+    tokens: int  # the held prefix, in tokens (full chunks, then a tail)
+    prompt_tokens: int
+    chunks: int
+    tail_tokens: int
+    heads: int  # store lookups the probe made (0: the index knew)
+
+
+@dataclass
+class PromptKeys:
+    """A prompt's ids and the keys of its full chunks under its namespace digest."""
+
+    digest: bytes
+    ids: Sequence[int]
+    keys: list[ChunkKey]
+    chunk_tokens: int
+    grain: int  # tail granularity in tokens (chunk_tokens: no tails)
+    tails: list[tuple[int, ChunkKey]] = field(default_factory=list)
+
+    def tail_candidates(self, chunk: int) -> list[tuple[int, ChunkKey]]:
+        """``(tokens, key)`` of every tail of chunk ``chunk`` the engine could restore
+        (it computes at least the prompt's last token), longest first."""
+        ct, g = self.chunk_tokens, self.grain
+        if g >= ct:
+            return []
+        lo = chunk * ct
+        room = min(ct - g, (len(self.ids) - 1 - lo) // g * g)
+        prev = self.keys[chunk - 1] if chunk else self.digest
+        return [(t, tail_key(prev, self.ids[lo: lo + t])) for t in range(room, 0, -g)]
+
+
+class HeldLookup:
+    """How much of a prompt's chain the shared tiers hold (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[Tier], *, max_heads: int = DEFAULT_MAX_HEADS) -> None:
+        self.tiers = list(tiers)
+        self.max_heads = max_heads
+
+    def _indexed(self, key: ChunkKey) -> bool:
+        return any(t.indexed(key) for t in self.tiers)
+
+    def _stored(self, key: ChunkKey, probe: Probe) -> bool:
+        probe.heads += 1
+        return any(t.contains_prefix([key]) == 1 for t in self.tiers)
+
+    def index_prefix(self, pk: PromptKeys) -> int:
+        """Leading chunks the tiers' indexes know (memory only)."""
+        for i, key in enumerate(pk.keys):
+            if not self._indexed(key):
+                return i
+        return len(pk.keys)
+
+    def needs_probe(self, pk: PromptKeys, known: int) -> bool:
+        return known < len(pk.keys) or bool(pk.tail_candidates(known))
+
+    def probe(self, pk: PromptKeys, probe: Probe, stop: threading.Event) -> None:
+        """Worker thread: from ``probe.chunks`` (what the index knew), the last stored chunk
+        (binary search) and the longest stored tail after it, in at most ``max_heads``
+        store lookups, stopping early when ``stop`` is set."""
+        try:
+            lo, hi = probe.chunks, len(pk.keys)  # stored: [0, lo); unknown: [lo, hi)
+            while lo < hi and probe.heads < self.max_heads and not stop.is_set():
+                mid = (lo + hi) // 2
+                if self._stored(pk.keys[mid], probe):
+                    lo = mid + 1
+                    probe.chunks = lo
+                else:
+                    hi = mid
+            if lo < hi:
+                return  # out of budget: the chain may go further, its tail is not looked at
+            for tokens, key in pk.tail_candidates(lo):
+                if probe.heads >= self.max_heads or stop.is_set():
+                    return
+                if self._indexed(key) or self._stored(key, probe):
+                    probe.tail_tokens = tokens
+                    return
+        finally:
+            probe.done = True
+
+    @staticmethod
+    def held(pk: PromptKeys, probe: Probe) -> Held:
+        chunks, tail = probe.chunks, probe.tail_tokens
+        return Held(chunks * pk.chunk_tokens + tail, len(pk.ids), chunks, tail, probe.heads)
+
+
+def prompt_keys(book: NamespaceBook, identity: Identity,
+                ids: Sequence[int]) -> PromptKeys | None:
+    """The keys of ``ids`` under ``identity``'s learnt digest; None if none is learnt."""
+    got = book.get(identity)
+    if got is None:
+        return None
+    digest, grain = got
+    ct = book.chunk_tokens
+    # the engine computes at least the prompt's last token: a chunk ending there is not
+    # restored, so it is not keyed here either
+    restorable = ids[: max(0, len(ids) - 1)]
+    return PromptKeys(digest, ids, chunk_keys(digest, restorable, ct), ct, grain)
+
+
+class PrefixReader:
+    """The held prefix of a prompt whose ids are known: keys, index, one bounded probe
+    (event loop thread; the probe runs on a worker thread)."""
+
+    def __init__(self, chunk_tokens: int, lookup: HeldLookup | None, *,
+                 probe_timeout: float) -> None:
+        self.book = NamespaceBook(chunk_tokens)
+        self.lookup = lookup
+        self.probe_timeout = probe_timeout
+
+    async def held(self, identity: Identity, ids: Sequence[int]) -> Held | Unkeyed:
+        if self.lookup is None:
+            return "no_tier"
+        pk = prompt_keys(self.book, identity, ids)
+        if pk is None:
+            return "no_namespace"
+        lookup = self.lookup
+        probe = Probe(lookup.index_prefix(pk))
+        if lookup.needs_probe(pk, probe.chunks):
+            stop = threading.Event()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(lookup.probe, pk, probe, stop),
+                                       self.probe_timeout)
+            except TimeoutError:
+                stop.set()  # the thread ends at its next lookup; what it confirmed counts
+        return lookup.held(pk, probe)
