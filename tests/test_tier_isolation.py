@@ -240,3 +240,33 @@ def test_the_load_fallback_stops_waiting_once_cancelled(tmp_path: Path) -> None:
     finally:
         host.abort(r.slot)
         store.close(timeout=5)
+
+
+@pytest.mark.s3
+def test_a_restamp_dropped_at_the_stamp_queue_is_not_recorded_as_done(
+    tmp_path: Path, moto: Any,
+) -> None:
+    from kvtier.tiers.s3 import STAMP_QUEUE, S3Tier
+
+    clock = ManualClock()
+    s3 = S3Tier(bucket="iso", capacity_bytes=1 << 30, endpoint_url=moto.endpoint_url,
+                max_attempts=1, clock=clock, name="s3", touch_interval=60.0)
+    try:
+        k = make_key(1)
+        assert s3.put(meta_for(k), payload_for(k).data) is PutStatus.STORED
+        before = s3.index.get(k)
+        assert before is not None
+        with s3._stamp_lock:  # the stamp queue is full (a burst of hits elsewhere)
+            s3._stamp_keys.update(make_key(1000 + i) for i in range(STAMP_QUEUE))
+        clock.advance(120)
+        dst = memoryview(bytearray(PAYLOAD))
+        assert s3.get_into(k, dst, expect=spec_for()) is not None
+        after = s3.index.get(k)
+        assert after is not None and after.touched == before.touched, \
+            "a restamp that was dropped is recorded as done"
+        with s3._stamp_lock:
+            s3._stamp_keys.clear()
+        assert s3.get_into(k, dst, expect=spec_for()) is not None  # the next hit stamps
+        assert s3.stamps_pending() <= 1
+    finally:
+        s3.close()

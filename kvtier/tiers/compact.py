@@ -210,7 +210,9 @@ class CompactIndex:
         self.bytes += size - int(self._size[e])
         self._size[e] = size
         self._used[e] = last_used
-        if touched is not None and touched != float("-inf"):
+        if touched == float("-inf"):  # never stamped by this node (or a stamp undone)
+            self._touched[e] = -np.inf
+        elif touched is not None:
             if self._touch_base is None:
                 self._touch_base = touched
             self._touched[e] = touched - self._touch_base
