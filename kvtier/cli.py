@@ -74,7 +74,7 @@ def _print_conditionals(cfg: KVTierConfig, tiers: Sequence[Tier]) -> None:
 
 def cmd_check(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     chunk = parse_size(args.chunk_size)
-    store = build_store(cfg, chunk)
+    store = build_store(cfg, chunk, open_bound_s=None)  # a tool: wait for the answer
     try:
         print(f"config ok: {len(cfg.tiers)} tiers, chunk_tokens={cfg.chunk_tokens}")
         print(f"{'tier':<10} {'kind':<6} {'capacity':>10} {'put GB/s':>9} {'get GB/s':>9}")

@@ -269,6 +269,22 @@ class KVTierConfig(_Model):
             raise ValueError("only one host tier is allowed, as tiers[0]")
         return tiers
 
+    @model_validator(mode="after")
+    def _touch_below_lease(self) -> KVTierConfig:
+        """Reads renew an object's lease at most once per ``touch_interval``: an interval
+        as long as the lease lets expiry cut a conversation that is read all along."""
+        for i, entry in enumerate(self.tiers[1:], start=1):
+            spec = entry.spec
+            touch = getattr(spec, "touch_interval", None)
+            if touch is not None and touch >= self.retention.lease_seconds:
+                kind = "file" if isinstance(spec, FileConfig) else "s3"
+                raise ValueError(
+                    f"tiers[{i}].{kind}.touch_interval: {touch:g} s is not below "
+                    f"retention.lease_seconds ({self.retention.lease_seconds:g} s); reads "
+                    "renew a lease at most once per touch_interval, so a conversation "
+                    "read all along could expire: make it well below the lease")
+        return self
+
     @property
     def host(self) -> HostConfig:
         assert self.tiers[0].host is not None

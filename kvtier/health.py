@@ -97,6 +97,13 @@ class Breaker:
         self._publish()
         return up
 
+    def start_down(self, why: str) -> None:
+        """Mark the tier down now (its opening did not answer at start): skipped until a
+        trial after ``cooldown_s`` succeeds. Logged and exported like any trip."""
+        with self._lock:
+            self._go_down(why)
+        self._publish()
+
     def allowance(self, nbytes: int) -> float:
         """Seconds a healthy call moving ``nbytes`` may take beyond ``slow_s``."""
         return max(0, nbytes) / self.min_bytes_per_s

@@ -5,9 +5,16 @@ key identifies all of it. Its lease is the lease of its objects (``SharedTier``)
 renew them, ``renew_chain`` renews a whole chain at once (the router's heartbeat), and
 ``expire_all`` is the collector that removes what nobody used for ``lease_seconds``.
 
-Invariant: expiry only ever removes whole objects that another node has not renewed since
-(each tier re-checks before deleting), so a live conversation is never cut; a chain cut
-by expiry is a shorter prefix, which restores correctly and recomputes the rest.
+Invariant: expiry only ever removes whole objects, each re-checked (stat) as not renewed
+since the cutoff shortly before its delete; a chain cut by expiry is a shorter prefix,
+which restores correctly and recomputes the rest. What does *not* hold (issue 32): the
+re-check and the delete are not atomic. A batch re-check (up to a tick's objects; seconds
+of ``lstat`` on NFS) is followed by unconditional deletes (NFS has no conditional
+unlink), so a renewal landing in that window is lost and its object removed: a live
+chain can be cut there. Renewing well inside the lease (``touch_interval`` below
+``lease_seconds`` is now enforced at config load; the router's heartbeat) keeps live
+objects far from the cutoff, which makes that window matter only for objects renewed just
+as their lease ran out.
 """
 
 from __future__ import annotations

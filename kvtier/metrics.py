@@ -266,13 +266,25 @@ class TierCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+#: Fault ops that are never the foreground call's own: a restamp after a hit, the start
+#: scan, collection, expiry and the walk run on threads of their own or as jobs outside
+#: any timed call; ``TierMetrics.errors_here`` leaves them out.
+BACKGROUND_OPS = frozenset({"touch", "scan", "collect", "expire", "walk", "delete"})
+
+
 class TierMetrics:
-    """Counters of one tier instance. Thread-safe."""
+    """Counters of one tier instance. Thread-safe.
+
+    ``errors_here`` counts the errors recorded on the calling thread only (not for
+    ``BACKGROUND_OPS``): a breaker compares it before and after one call, so a call is
+    blamed only for its own faults, never for those of a background thread of the same
+    tier (issue 32)."""
 
     def __init__(self, tier: str) -> None:
         self.tier = tier
         self.counts = TierCounters()
         self._lock = threading.Lock()
+        self._local = threading.local()
         #: The start scan (persistent tiers): objects indexed so far, and done yet.
         self.index_scanned = 0
         self.index_ready = True
@@ -297,7 +309,14 @@ class TierMetrics:
 
     def error(self, op: str) -> None:
         self._count("errors", 1)
+        if op not in BACKGROUND_OPS:
+            self._local.errors = self.errors_here() + 1
         _add(ERRORS, 1, self.tier, op)
+
+    def errors_here(self) -> int:
+        """Foreground errors this tier recorded on the calling thread (see the class)."""
+        n: int = getattr(self._local, "errors", 0)
+        return n
 
     def corrupt(self) -> None:
         self._count("corruptions", 1)

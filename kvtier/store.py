@@ -15,8 +15,11 @@ Data flows:
 
 Invariants:
 
-* A dirty chunk is never evicted; a failed spill counts an error and marks it clean (the
-  store is a cache: losing a chunk costs a recompute, serving a wrong one is never allowed).
+* A dirty chunk is never evicted. It turns clean once ONE write-back tier holds it (the
+  others give that copy up, counted: one tier's trouble never keeps host slots dirty);
+  a write that every write-back tier failed leaves it dirty (nothing stored is lost) and
+  restarts its age. The store is a cache: losing a chunk costs a recompute, serving a
+  wrong one is never allowed.
 * A store queue that is full drops the write and counts it (``kvtier_drops_total``).
 * Chunks promoted from a lower tier are clean: they are already stored below.
 * ``load(keys, expect)`` serves a chunk only if it is what the reader expects (``ChunkSpec``:
@@ -57,7 +60,7 @@ import numpy as np
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import HealthConfig
 from kvtier.health import Breaker, TierUnavailable, breakers_for
-from kvtier.iopool import IOPool
+from kvtier.iopool import IOPool, IOPoolClosed
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop, record_store_error
 from kvtier.objformat import ChunkMeta, ChunkSpec
@@ -351,15 +354,18 @@ class TieredStore:
     def _call(self, tier: Tier, *, read: bool, nbytes: int = 0) -> Iterator[None]:
         """One call to a lower tier under its breaker, moving about ``nbytes``: raises
         ``TierUnavailable`` if the tier may not be called; a call that counted an error
-        is a failure, and so is one slower than its allowance for those bytes."""
+        is a failure, and so is one slower than its allowance for those bytes. Only
+        errors the call itself recorded (on this thread, foreground ops) count: a
+        restamp, walk, expiry, collection or start scan failing meanwhile on another
+        thread is not this call's fault."""
         breaker = self._breaker_of.get(id(tier))
         if breaker is None:
             yield
             return
         with breaker.call(read=read, nbytes=nbytes) as call:
-            errors = tier.metrics.counts.errors
+            errors = tier.metrics.errors_here()
             yield
-            if tier.metrics.counts.errors > errors:
+            if tier.metrics.errors_here() > errors:
                 call.fail()
 
     def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
@@ -505,12 +511,16 @@ class TieredStore:
         """Queue a write of one host slot to ``tiers`` (``held``: the caller holds it once
         already), one job per tier's IO pool, each holding the slot until it is done; the
         result is True if every tier holds the chunk. With ``cleans`` (a spill or a
-        write-back of a dirty chunk) the chunk is marked clean only then; a failed write
-        leaves it dirty (nothing stored is lost) and restarts its age.
+        write-back of a dirty chunk) see ``_queue_write_back``.
 
         ``None`` if the chunk was evicted first or no job could be queued (counted; the
         chunk is as it was: a full queue is not a failed write).
+
+        With ``cleans`` see ``_queue_write_back``: there, one tier holding the chunk
+        is enough.
         """
+        if cleans:
+            return self._queue_write_back(slot, meta, tiers, held=held, kind=kind)
         if not held and self.host.index.hold(meta.key) is None:
             return None  # evicted before we got to it
         groups: dict[int, tuple[IOPool, list[Tier]]] = {}
@@ -548,11 +558,6 @@ class TieredStore:
             ok = not missing and all(
                 not f.cancelled() and f.exception() is None and bool(f.result())
                 for f in parts)
-            if cleans:
-                if ok:
-                    self.host.index.mark_clean(slot, meta.key)  # never reused while dirty
-                else:
-                    self.host.index.write_failed(slot, meta.key)
             whole.set_result(ok)
 
         self._inflight.add(whole)
@@ -561,15 +566,106 @@ class TieredStore:
             f.add_done_callback(part_done)
         return whole
 
+    def _queue_write_back(
+        self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], *, held: bool, kind: str,
+    ) -> Future[Any] | None:
+        """Queue a write of the dirty chunk in ``slot`` to the write-back ``tiers``, one
+        job per tier's IO pool; the result is True once ONE tier holds the chunk.
+
+        Each tier's trouble is its own (issue 32): the chunk is marked clean as soon as
+        one tier has stored it, so a write-back tier that is down, hung or refusing
+        writes never keeps host slots dirty while another one works. The tiers that
+        did not get it give up that copy (counted as a drop, ``tier_down`` or
+        ``gave_up_copy``): the chunk is read from the tier that holds it, and a later
+        save of the same key writes it again. Tiers whose breaker refuses calls now are
+        not queued at all (their pool may be stuck behind a hang).
+
+        Holds: one *pin* on ``slot`` (the caller's, with ``held``) keeps the dirty chunk
+        from being taken by another spill until it is clean or every tier failed; each
+        job holds the chunk itself only while it runs, so a job queued behind a hung
+        tier holds no host slot once the chunk is clean elsewhere (it then finds the
+        chunk evicted and gives its copy up). The chunk is marked clean, or its write
+        failure recorded, by the job while it still holds the slot. Every tier failing
+        leaves the chunk dirty (nothing stored is lost) and restarts its age."""
+        if not held and self.host.index.hold(meta.key) is None:
+            return None  # evicted before we got to it
+        groups: dict[int, tuple[IOPool, list[Tier]]] = {}
+        for tier in tiers:
+            b = self._breaker_of.get(id(tier))
+            if b is not None and not (b.up or b.available()):
+                self._drop("tier_down")
+                continue
+            pool = self._pool_of(tier)
+            groups.setdefault(id(pool), (pool, []))[1].append(tier)
+        whole: Future[Any] = Future()
+        whole.set_running_or_notify_cancel()
+        state = {"left": len(groups), "ok": False, "pinned": True}
+
+        def settle(ok: bool, at: int | None) -> None:
+            """One job is done (``at``: the slot it holds, None if it holds none)."""
+            with self._parts_lock:
+                state["left"] -= 1
+                first_ok = ok and not state["ok"]
+                state["ok"] = state["ok"] or ok
+                last_failed = not state["left"] and not state["ok"]
+                unpin = (first_ok or last_failed) and bool(state["pinned"])
+                if unpin:
+                    state["pinned"] = False
+            where = slot if at is None else at
+            if first_ok:
+                self.host.index.mark_clean(where, meta.key)  # held: never reused here
+            elif last_failed:
+                self.host.index.write_failed(where, meta.key)
+            if unpin:
+                self.host.release(slot)
+            if first_ok or last_failed:
+                whole.set_result(first_ok)
+
+        def job(group: list[Tier]) -> bool:
+            got = self.host.index.hold(meta.key)
+            if got is None:  # clean (another tier has it) and evicted since: give up
+                self._drop("gave_up_copy")
+                settle(False, None)
+                return False
+            at = got[0]
+            ok = False
+            try:
+                ok = self._write_slot(at, got[1], group, kind, every=False)
+            finally:
+                try:
+                    settle(ok, at)
+                finally:
+                    self.host.release(at)
+            return ok
+
+        if not groups:
+            self.host.release(slot)  # every tier is down: it stays dirty, as it was
+            return None
+        queued = 0
+        for pool, group in groups.values():
+            fut = self._submit(partial(job, group), kind, pool)
+            if fut is None:
+                settle(False, None)  # the pin is still held if no job stored it yet
+            else:
+                queued += 1
+        if not queued:
+            return None
+        self._inflight.add(whole)
+        whole.add_done_callback(self._inflight.discard)
+        return whole
+
     def _write_slot(
-        self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], kind: str
+        self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], kind: str, *,
+        every: bool = True,
     ) -> bool:
-        """Write one held host slot to ``tiers``; True if every tier now holds it. A tier
+        """Write one held host slot to ``tiers``; True if every tier (with ``every``,
+        else at least one) now holds it. A tier
         whose breaker is open is skipped and the write counted as dropped; a tier whose
         ``put`` raises is counted (``kvtier_store_errors_total{tier,kind}``, logged once
         per tier and kind) and the other tiers are still written."""
         view = self.host.view(slot, meta.payload_len).data
         ok = True
+        some = False
         for tier in tiers:
             try:
                 with self._call(tier, read=False, nbytes=meta.object_len):
@@ -582,10 +678,12 @@ class TieredStore:
                 self._job_failed(tier.name, kind)
                 ok = False
                 continue
-            ok &= status in (PutStatus.STORED, PutStatus.EXISTS)
+            stored = status in (PutStatus.STORED, PutStatus.EXISTS)
+            ok &= stored
+            some |= stored
             if status is PutStatus.STORED:
                 self._collect_later(tier)
-        return ok
+        return ok if every else some
 
     def _collect_later(self, tier: Tier) -> None:
         """Queue one collection of ``tier`` (capacity) as its own job, outside any timed
@@ -663,8 +761,10 @@ class TieredStore:
         served: a host slot or object of another namespace, token count, dtype, shape or
         payload length is a counted miss. The future never raises for storage faults or
         bad objects: a chunk that cannot be read ends the prefix. If it raises anyway (a
-        bug), it holds no slots. Reads run on the IO pool of the first lower tier to read
-        from. ``progress`` is touched after each chunk read; once cancelled, the load ends
+        bug), it holds no slots. Each chunk is read on the IO pool of the tier it is read
+        from (a run of chunks on one tier stays on that pool, then the load moves on to
+        the next tier's pool): a hung tier holds only its own pool's threads, never
+        another tier's. ``progress`` is touched after each chunk read; once cancelled, the load ends
         before its next chunk (what it holds by then is in the result).
         """
         specs: list[ChunkSpec | None]
@@ -694,16 +794,56 @@ class TieredStore:
                     rest = [] if alt is None else [(key, alt, spec), *entries[i + 1 :]]
                     break
                 held.add(got)
+            done: Future[Held] = Future()
             if not rest:
-                done: Future[Held] = Future()
                 done.set_result(held)
                 return done
-            first = rest[0][1]
-            pool = self._pool_of(self.tiers[first]) if first != HOST else self.io
-            return pool.submit_load(lambda: self._promote(held, rest, progress))
+            self._hand_off(done, held, rest, progress)
+            return done
         except BaseException:
             held.release()
             raise
+
+    def _entry_pool(self, tier: int) -> IOPool:
+        """The IO pool that reads from tier ``tier`` (host entries: the first pool)."""
+        return self._pool_of(self.tiers[tier]) if tier != HOST else self.io
+
+    def _hand_off(self, done: Future[Held], held: Held, entries: list[_Entry],
+                  progress: LoadProgress | None) -> None:
+        """Queue the rest of a load (``entries``, non-empty) on the pool of the tier its
+        first chunk is read from; ``done`` gets the result. If the pool is closed (or
+        cancels the job unstarted), the slots held so far are released and ``done``
+        fails. Any thread."""
+        pool = self._entry_pool(entries[0][1])
+        try:
+            job = pool.submit_load(partial(self._run_load, done, held, entries, progress,
+                                           pool))
+        except BaseException as e:
+            held.release()
+            done.set_exception(e)
+            return
+
+        def unstarted(f: Future[None]) -> None:
+            if f.cancelled():
+                held.release()
+                done.set_exception(IOPoolClosed("the load was cancelled before it ran"))
+
+        job.add_done_callback(unstarted)
+
+    def _run_load(self, done: Future[Held], held: Held, entries: list[_Entry],
+                  progress: LoadProgress | None, pool: IOPool) -> None:
+        """Read ``entries`` on ``pool`` (an IO thread) until one must be read from a tier
+        served by another pool: hand the rest to that pool (so a hung tier holds only its
+        own pool's threads, issue 32), else resolve ``done``."""
+        try:
+            rest = self._promote(held, entries, progress, pool)
+        except BaseException as e:
+            done.set_exception(e)  # _promote released what it held
+            return
+        if rest:
+            self._hand_off(done, held, rest, progress)
+        else:
+            done.set_result(held)
 
     def _hold_host(self, key: ChunkKey, expect: ChunkSpec | None) -> _Hit | None:
         """Hold ``key``'s host slot: ``((slot, meta), HOST)``; a miss (evicted, or not
@@ -723,17 +863,26 @@ class TieredStore:
                      if i > tier and b.up and lt.tier.indexed(key)), None)
 
     def _promote(
-        self, held: Held, entries: list[_Entry], progress: LoadProgress | None = None,
-    ) -> Held:
+        self, held: Held, entries: list[_Entry], progress: LoadProgress | None,
+        pool: IOPool,
+    ) -> list[_Entry]:
+        """Read ``entries`` in order into ``held`` while each is read from a tier that
+        ``pool`` serves (host entries anywhere); returns the entries left for another
+        pool (a lower tier's chunk, or a fallback read below), empty when the load is
+        done (every chunk, or a miss that ends the prefix, or cancelled)."""
         try:
-            for key, tier, expect in entries:
+            for i, (key, tier, expect) in enumerate(entries):
                 if progress is not None and progress.cancelled:
                     break  # the caller gave up: read no more
+                if tier != HOST and self._entry_pool(tier) is not pool:
+                    return entries[i:]
                 got = (self._hold_host(key, expect) if tier == HOST
                        else self._promote_one(key, tier, expect, progress))
                 while got is None and (below := self._indexed_below(key, tier)) is not None:
                     tier = below  # lost where the lookup saw it: the next tier down
-                    got = self._promote_one(key, tier, expect)
+                    if self._entry_pool(tier) is not pool:
+                        return [(key, tier, expect), *entries[i + 1:]]
+                    got = self._promote_one(key, tier, expect, progress)
                 if got is None:
                     break
                 held.add(got)
@@ -742,7 +891,7 @@ class TieredStore:
         except BaseException:
             held.release()  # the caller gets the exception, and no slots to release
             raise
-        return held
+        return []
 
     def _promote_one(
         self, key: ChunkKey, tier_index: int, expect: ChunkSpec | None,
@@ -842,8 +991,9 @@ class TieredStore:
         """Queue up to ``max_n`` dirty chunks, most recently used first, to the write-back
         tiers without waiting (an idle engine's background flush; with ``older_than``, a
         ``host`` clock reading, only chunks dirty since before it: the bound on the age of
-        dirty data). Each becomes clean once every tier holds it; a failed write leaves it
-        dirty. Returns how many were queued; a full store queue ends the batch."""
+        dirty data). Each becomes clean once one write-back tier holds it; a write
+        every such tier failed leaves it dirty. Returns how many were queued; a full store
+        queue ends the batch."""
         return len(self._write_back_batch(max_n, frozenset(), older_than))
 
     def _write_back_batch(

@@ -242,3 +242,14 @@ def test_a_bad_s3_conditionals_names_the_choices_never_the_value(bad: object) ->
     msg = str(e.value)
     assert "tiers[1].s3.conditionals: Input should be 'auto', 'trusted' or 'untrusted'" in msg
     assert SECRET not in msg and "wJalr" not in msg
+
+
+def test_a_touch_interval_as_long_as_the_lease_is_refused() -> None:
+    """Reads renew a lease at most once per ``touch_interval``: one as long as the lease
+    lets a conversation read every minute lose its objects to expiry (issue 32)."""
+    doc = {**_with_file(touch_interval=600), "retention": {"lease_seconds": 480}}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.file\.touch_interval: 600 s is not "
+                                          r"below retention\.lease_seconds"):
+        parse_config(doc, environ={})
+    assert parse_config({**_with_file(touch_interval=60), "retention": {"lease_seconds": 480}},
+                        environ={})

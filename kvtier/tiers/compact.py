@@ -102,6 +102,7 @@ class CompactIndex:
         self._table = np.full(1 << self._bits, _EMPTY, np.int32)
         self._live = self._dead = 0
         self._head = self._tail = _NIL
+        self._links = 0  # changes to the recency list: ``items`` resumes where it stopped
         self._tick = 0
         self._touch_base: float | None = None
         self.bytes = 0
@@ -132,6 +133,7 @@ class CompactIndex:
         return Entry(int(self._size[e]), float(self._used[e]), touched, int(self._version[e]))
 
     def _unlink(self, e: int) -> None:
+        self._links += 1
         p, n = int(self._prev[e]), int(self._next[e])
         if p == _UNLINKED:
             return
@@ -145,6 +147,7 @@ class CompactIndex:
             self._prev[n] = p
 
     def _append(self, e: int) -> None:
+        self._links += 1
         self._prev[e], self._next[e] = self._tail, _NIL
         if self._tail == _NIL:
             self._head = e
@@ -210,7 +213,9 @@ class CompactIndex:
         self.bytes += size - int(self._size[e])
         self._size[e] = size
         self._used[e] = last_used
-        if touched is not None and touched != float("-inf"):
+        if touched == float("-inf"):  # never stamped by this node (or a stamp undone)
+            self._touched[e] = -np.inf
+        elif touched is not None:
             if self._touch_base is None:
                 self._touch_base = touched
             self._touched[e] = touched - self._touch_base
@@ -316,8 +321,9 @@ class CompactIndex:
         """Every entry (linked ones coldest first, then any not yet linked), in batches of
         one lock hold each; entries changed meanwhile may be seen twice or not at all."""
         seen = 0
+        resume: tuple[int, int] | None = None  # (list changes, next entry) after a batch
         while True:
-            chunk = self._linked_after(seen, batch)
+            chunk, resume = self._linked_after(seen, batch, resume)
             yield from chunk
             if len(chunk) < batch:
                 break
@@ -330,16 +336,25 @@ class CompactIndex:
                        if int(self._prev[e]) == _UNLINKED]
             yield from got
 
-    def _linked_after(self, skip: int, n: int) -> list[tuple[ChunkKey, Entry]]:
+    def _linked_after(
+        self, skip: int, n: int, resume: tuple[int, int] | None = None,
+    ) -> tuple[list[tuple[ChunkKey, Entry]], tuple[int, int]]:
+        """Up to ``n`` linked entries after the first ``skip``; and where the next batch
+        starts. With ``resume`` from the previous batch and no change to the list since,
+        the walk starts there (``kvtier ls`` is linear, not quadratic, in the objects);
+        else it walks ``skip`` entries from the coldest."""
         with self._lock:
-            e, i = self._head, 0
             out: list[tuple[ChunkKey, Entry]] = []
+            if resume is not None and resume[0] == self._links:
+                e, i = resume[1], skip
+            else:
+                e, i = self._head, 0
             while e != _NIL and len(out) < n:
                 if i >= skip:
                     out.append((self._key(e), self._entry(e)))
                 i += 1
                 e = int(self._next[e])
-            return out
+            return out, (self._links, e)
 
     # -- changes ------------------------------------------------------------------------
     def remember(
@@ -386,6 +401,7 @@ class CompactIndex:
             chain = order[self._prev[order] == _UNLINKED]
             if not len(chain):
                 return 0
+            self._links += 1
             self._next[chain[:-1]] = chain[1:]
             self._prev[chain[1:]] = chain[:-1]
             first, last = int(chain[0]), int(chain[-1])

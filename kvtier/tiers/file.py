@@ -401,8 +401,9 @@ class FileTier(ObjectTier):
         if len(self.files.temps):
             self._sweep_temps(self._temp_grace, recheck=self._used() > self.capacity)
 
-    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> None:
+    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> bool:
         self.files.touch(key, now)
+        return True
 
     # -- temp files ----------------------------------------------------------------------
     def _sweep_temps(self, grace: float, *, recheck: bool = True) -> int:

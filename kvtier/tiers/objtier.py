@@ -191,12 +191,14 @@ class ObjectTier:
     def _before_collect(self) -> None:
         """Runs at the start of each ``collect`` (under the collection lock)."""
 
-    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> None:
-        """Write the shared stamp after a hit (at most once per ``touch_interval``)."""
+    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> bool:
+        """Write the shared stamp after a hit (at most once per ``touch_interval``);
+        False if it was neither written nor queued (the next hit tries again)."""
         try:
             self.transport.stamp(key, now)
         except self.transport.faults as e:
             self._fault("touch", e)
+        return True
 
     # -- small helpers -------------------------------------------------------------------
     def _fault(self, op: str, e: Exception) -> None:
@@ -288,7 +290,8 @@ class ObjectTier:
             self.index.use(key, now)  # this node's view; the shared one waits for the next
             return
         self.index.remember(key, size, now, now)
-        self._after_hit(key, now, version)
+        if not self._after_hit(key, now, version):  # dropped: not done, so not recorded
+            self.index.remember(key, size, now, float("-inf") if entry is None else entry.touched)
 
     def _quarantine(self, key: ChunkKey, version: Version, why: str) -> None:
         """Remove a corrupt object, unless someone replaced it since it was read."""

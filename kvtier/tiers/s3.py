@@ -300,13 +300,17 @@ class S3Tier(ObjectTier):
         return self.objects.object_name(key)
 
     # -- restamps after hits, on their own thread ------------------------------------------
-    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> None:
+    def _after_hit(self, key: ChunkKey, now: float, version: Version) -> bool:
         """Restamp on the stamping thread; dropped (this node's recency is kept) when
-        ``STAMP_QUEUE`` are waiting or one for ``key`` already is."""
+        ``STAMP_QUEUE`` are waiting or one for ``key`` already is. False when dropped
+        with none queued for ``key``: the restamp is not recorded as done, so the next
+        hit tries again (issue 32)."""
         name, etag = self.object_name(key), str(version)
         with self._stamp_lock:
-            if key in self._stamp_keys or len(self._stamp_keys) >= STAMP_QUEUE:
-                return
+            if key in self._stamp_keys:
+                return True  # one is queued: it stamps this hit too
+            if len(self._stamp_keys) >= STAMP_QUEUE:
+                return False
             if self._stamps is None:
                 self._stamps = IOPool(1, STAMP_QUEUE, name=f"{self._name}-stamp")
             self._stamp_keys.add(key)
@@ -326,6 +330,8 @@ class S3Tier(ObjectTier):
         if queued is None:
             with self._stamp_lock:
                 self._stamp_keys.discard(key)
+            return False
+        return True
 
     def stamps_pending(self) -> int:
         """Restamps queued or running (tests, debugging)."""

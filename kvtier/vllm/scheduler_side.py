@@ -47,7 +47,7 @@ from typing import Any
 from kvtier.build import build_store
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
-from kvtier.costmodel import Decision
+from kvtier.costmodel import CostModel, Decision
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys, group_key, tail_key, window_key
 from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
@@ -62,6 +62,7 @@ from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_host_pool
 from kvtier.vllm.stopsignal import chain_stop_signals
 from kvtier.vllm.threshold import StepTimer, threshold_policy
+from kvtier.vllm.waitbound import WaitBound
 from kvtier.vllm.window import saveable, window_parts
 
 log = logging.getLogger("kvtier.vllm")
@@ -182,6 +183,7 @@ class _Probe:
     started: float
     progress: LoadProgress
     answered: float | None = None  # when its answer (or its deadline) was taken
+    limit_s: float = 0.0  # its deadline: the recompute it may save, at most configured
 
 
 @dataclass
@@ -231,8 +233,11 @@ class SchedulerSide:
         self.policy = threshold_policy(cfg.restore, self.store, self.slot_bytes,
                                        probe=store is None)
         self._bad_threshold_logged = False
-        self.step_timer = (None if self.policy.model is None
-                           else StepTimer(self.policy.model, self.slot_bytes // self.bpc))
+        #: the engine's prefill speed, measured whatever the threshold policy: it bounds
+        #: every wait on storage by the recompute it would save (``waitbound``)
+        steps_model = self.policy.model or CostModel(warmup_steps=cfg.restore.auto_warmup_steps)
+        self.step_timer: StepTimer | None = StepTimer(steps_model, self.slot_bytes // self.bpc)
+        self.waits = WaitBound(steps_model.steps)
         self._lookups: dict[str, _Lookup] = {}
         self._saves: dict[str, _Save] = {}
         self._loads: list[CopyOp] = []
@@ -741,15 +746,19 @@ class SchedulerSide:
             self._lookups[rid] = lk
         if lk.future is not None:
             if not lk.future.done():
-                if lk.progress is None or lk.progress.idle_for() < self.load_stall_s:
+                # the wait never outlasts the recompute of what it restores (waitbound)
+                stall_s = self.waits.seconds(self.load_stall_s, lk.first_chunk * self.ct,
+                                             lk.end or (lk.first_chunk + max(1, lk.full))
+                                             * self.ct + lk.tail_blocks * self.bs)
+                if lk.progress is None or lk.progress.idle_for() < stall_s:
                     return None, False
                 # A read made no progress for too long (a hung filesystem blocks in the
                 # kernel): recompute now; the read's slots are released when it returns.
                 lk.progress.cancel()
                 self._forget(rid)
                 record_drop("load_timeout")
-                log.warning("kvtier: restore for %s made no progress for %.1f s; "
-                            "recomputing", rid, self.load_stall_s)
+                log.warning("kvtier: restore for %s made no progress for %.2f s; "
+                            "recomputing", rid, stall_s)
                 return 0, False
             fut, lk.future = lk.future, None
             try:
@@ -801,20 +810,23 @@ class SchedulerSide:
             if fut is None:
                 log.debug("kvtier: probe queue full; %s answered from the indexes", rid)
                 return False
-            self._probes[rid] = _Probe(fut, now, progress)
+            at_stake = len(beyond) * self.ct
+            limit = self.lookup_timeout_s if waiting else self.waits.seconds(
+                self.lookup_timeout_s, 0, at_stake)
+            self._probes[rid] = _Probe(fut, now, progress, limit_s=limit)
             return True
         if p.answered is not None:
             return False
         if p.future.done():
             p.answered = now
             return False
-        if now - p.started < self.lookup_timeout_s:
+        if now - p.started < p.limit_s:
             return True
         p.answered = now
         p.progress.cancel()  # it asks nothing more once its tier answers
         p.future.cancel()  # not started yet: never runs
-        log.info("kvtier: lower tiers did not answer for %s within %.1f s; not waiting",
-                 rid, self.lookup_timeout_s)
+        log.info("kvtier: lower tiers did not answer for %s within %.2f s; not waiting",
+                 rid, p.limit_s)
         return False
 
     def _announced(self, request: Any, keys: list[ChunkKey],

@@ -1,0 +1,39 @@
+"""``WaitBound``: no wait outlasts the recompute it would save (issue 32).
+
+A request waits on storage twice: for a lookup's probe ("is it on a lower tier?") and for
+a load (restoring what was found). Either wait exists to save a recompute, so neither may
+last longer than that recompute: the bound is the measured time to compute the tokens at
+stake (the engine's prefill speed, ``kvtier.stepfit.StepModel``, the same fit the
+``auto`` threshold policy uses), never less than ``floor_s`` and never more than the
+configured seconds (``restore.lookup_timeout_seconds``, the load's stall allowance),
+which stay the upper bound. Until the step model is warm (its first prefill steps) the
+configured seconds apply.
+
+Why: on a tiny model a recompute costs 0.08 s, and with the configured 1 s probe and 2 s
+load deadlines a hung tier made each new prompt wait 14 times what it could save.
+
+Threads: ``seconds`` reads the step model (its own lock); any thread.
+"""
+
+from __future__ import annotations
+
+from kvtier.stepfit import StepModel
+
+#: A wait is never bounded below this: a healthy tier's answer takes milliseconds, and
+#: the scheduler asks again at the next engine step anyway.
+FLOOR_S = 0.02
+
+
+class WaitBound:
+    def __init__(self, steps: StepModel, floor_s: float = FLOOR_S) -> None:
+        self.steps = steps
+        self.floor_s = floor_s
+
+    def seconds(self, configured_s: float, start_tokens: int, end_tokens: int) -> float:
+        """How long to wait for tokens ``[start_tokens, end_tokens)`` (those the wait
+        may save, with ``[0, start_tokens)`` already cached): the measured recompute of
+        them, within ``[floor_s, configured_s]``; ``configured_s`` while unmeasured."""
+        if not self.steps.warm:
+            return configured_s
+        recompute = self.steps.recompute_seconds(start_tokens, end_tokens)
+        return min(configured_s, max(self.floor_s, recompute))

@@ -1,0 +1,76 @@
+"""No wait outlasts the recompute it would save (issue 32): once the engine's prefill
+speed is measured, a probe of a hung tier and a stuck load are given up after the
+recompute of the tokens at stake, not after the configured seconds (which stay the upper
+bound). Driven as vLLM drives the scheduler side; time is a ManualClock.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.clock import ManualClock
+from kvtier.stepfit import StepModel
+from kvtier.vllm.waitbound import FLOOR_S, WaitBound
+from tests.test_bounded_waits import _request, _sched, _store_below
+
+PER_TOKEN_S = 2e-4  # a tiny model: 3 chunks of 128 tokens recompute in ~0.08 s
+
+
+def _warm(steps: StepModel) -> None:
+    for i in range(steps.warmup_steps + 8):
+        n = 64 + 37 * i
+        steps.observe([(n, 0)], 1e-3 + PER_TOKEN_S * n)
+    assert steps.warm
+
+
+def test_the_bound_is_the_recompute_within_floor_and_configured() -> None:
+    steps = StepModel(warmup_steps=8)
+    bound = WaitBound(steps)
+    assert bound.seconds(1.0, 0, 384) == 1.0  # unmeasured: the configured seconds
+    _warm(steps)
+    assert bound.seconds(1.0, 0, 384) == pytest.approx(PER_TOKEN_S * 384, rel=0.2)
+    assert bound.seconds(1.0, 0, 1) == FLOOR_S
+    assert bound.seconds(0.05, 0, 384) == 0.05  # never above the configured seconds
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def test_a_probe_of_a_hung_tier_waits_no_longer_than_the_recompute(
+    tmp_path: Path, clock: ManualClock,
+) -> None:
+    sched, tier = _sched(tmp_path, clock)
+    try:
+        _warm(sched.waits.steps)
+        tier.hang.set()
+        req = _request("p", 2)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # probing
+        clock.advance(0.1)  # the recompute (~0.08 s), far below lookup_timeout_seconds
+        assert sched.lookup_timeout_s >= 1.0
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        tier.gate.set()
+        sched.close()
+
+
+def test_a_stuck_load_waits_no_longer_than_the_recompute(
+    tmp_path: Path, clock: ManualClock,
+) -> None:
+    sched, tier = _sched(tmp_path, clock)
+    try:
+        _warm(sched.waits.steps)
+        req = _request("r", 1)
+        _store_below(sched, tier, req, 3)
+        tier.hang.set()
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # loading
+        assert tier.entered.acquire(timeout=10)
+        clock.advance(0.1)
+        assert sched.load_stall_s >= 2.0
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # recompute now
+    finally:
+        tier.gate.set()
+        sched.close()
