@@ -128,15 +128,24 @@ class LoadProgress:
 
     ``touch`` is called on the IO thread after each chunk; ``idle_for`` may be read from
     any thread; ``cancel`` (any thread) makes the load stop before its next chunk. Plain
-    attribute stores: no lock."""
+    attribute stores: no lock.
+
+    ``stages`` is where the load spent its time (wall seconds by ``RESTORE_STAGES`` name:
+    ``queue``, ``settle``, ``slot``, ``read``), added to by the IO thread running the
+    load (``waited``); read it once the load's future is done."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
         self.last = clock.monotonic()
         self.cancelled = False
+        self.stages: dict[str, float] = {}
 
     def touch(self) -> None:
         self.last = self.clock.monotonic()
+
+    def waited(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to ``stage`` (the IO thread running the load)."""
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 
     def idle_for(self) -> float:
         return self.clock.monotonic() - self.last
@@ -700,7 +709,14 @@ class TieredStore:
                 return done
             first = rest[0][1]
             pool = self._pool_of(self.tiers[first]) if first != HOST else self.io
-            return pool.submit_load(lambda: self._promote(held, rest, progress))
+            queued = time.perf_counter()
+
+            def job() -> Held:
+                if progress is not None:  # behind other loads, or a running write
+                    progress.waited("queue", time.perf_counter() - queued)
+                return self._promote(held, rest, progress)
+
+            return pool.submit_load(job)
         except BaseException:
             held.release()
             raise
@@ -762,20 +778,30 @@ class TieredStore:
         while r is None:  # promoted (or being written) meanwhile by someone else
             got = self._hold_host(key, expect)
             if got is not None or not self.host.index.pending(key):
+                if got is None:
+                    record_drop("restore_no_slot")  # every slot held or dirty
                 return got
+            settling = time.perf_counter()
             while not self.host.wait_settled(key, SETTLE_SLICE_S):
                 if progress is not None and progress.cancelled:
+                    progress.waited("settle", time.perf_counter() - settling)
                     return None
                 if progress is None and time.perf_counter() - t0 > SETTLE_MAX_S:
                     return None
+            if progress is not None:
+                progress.waited("settle", time.perf_counter() - settling)
             r = self.host.reserve(key)
         nbytes = expect.payload_len if expect is not None else self.host.slot_bytes
+        reading = time.perf_counter()
         try:
             with self._call(tier, read=True, nbytes=nbytes):
                 filled = self._fill(r.slot, key, tier, expect)
         except TierUnavailable:
             self.host.abort(r.slot)
             return None
+        finally:
+            if progress is not None:
+                progress.waited("read", time.perf_counter() - reading)
         if not filled:
             return None
         got = self._hold_host(key, expect)
