@@ -5,9 +5,13 @@ Data flows:
 * ``put`` / ``reserve(key)``+``commit(slot, meta)`` write into the host tier only (the one
   entry point for filling host slots: a slot is reserved for a key and gets its meta when
   committed); the caller never waits on storage. Each write-through tier gets the chunk
-  queued at once. With write-back tiers the chunk is *dirty* until spilled; when
-  free-or-clean host slots fall below the reserve, the coldest dirty chunks are queued for
-  spilling, then marked clean and so evictable.
+  queued at once. With write-back tiers the chunk is *dirty* until spilled. The pool
+  spills ahead of need: whenever free-or-clean host slots, counting those whose spill is
+  in flight, fall below the *low-water mark* (``clean_reserve`` of the pool, at least
+  one slot), the coldest dirty chunks are queued for spilling, then marked clean and so
+  evictable. Checked after every commit and every reservation (a save's or a
+  promotion's), and when a promotion finds no slot: a save or a restore finds a clean
+  slot instead of failing for want of one, as long as the tier keeps up.
 * ``lookup`` answers "how long is the stored prefix, and where is each chunk".
 * ``load(found)`` takes that answer, promotes its lower-tier entries into host slots (on
   the IO pool, ahead of stores) from the tier the lookup named, and hands back the chunks
@@ -41,6 +45,7 @@ be released from any thread.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -131,7 +136,7 @@ class LoadProgress:
     attribute stores: no lock.
 
     ``stages`` is where the load spent its time (wall seconds by ``RESTORE_STAGES`` name:
-    ``queue``, ``settle``, ``slot``, ``read``), added to by the IO thread running the
+    ``queue``, ``settle``, ``read``), added to by the IO thread running the
     load (``waited``); read it once the load's future is done."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -188,7 +193,7 @@ class TieredStore:
         io: IOPool,
         *,
         spill_batch: int = 8,
-        clean_reserve: float = 0.1,
+        clean_reserve: float = 0.5,
         breakers: Sequence[Breaker] | None = None,
         probe_threads: int = 2,
         tier_io: Sequence[IOPool] | None = None,
@@ -225,7 +230,9 @@ class TieredStore:
                 setattr(lt.tier, "collect_on_put", False)  # noqa: B010 - _collect_later
         self._parts_lock = threading.Lock()
         self._spill_batch = spill_batch
-        self._reserve_slots = max(1, int(host.pool.num_slots * clean_reserve))
+        #: the low-water mark of free-or-clean host slots (counting spills in flight)
+        self._reserve_slots = max(1, math.ceil(host.pool.num_slots * clean_reserve))
+        self._spilling = 0  # dirty chunks whose spill is queued or running
         self._back = [lt.tier for lt in self.lower if lt.write is WritePolicy.BACK]
         self._through = [lt.tier for lt in self.lower if lt.write is WritePolicy.THROUGH]
         self._inflight: set[Future[Any]] = set()
@@ -410,6 +417,8 @@ class TieredStore:
         depend on that other write: the first commit is published, the other is freed.
         Memory only."""
         r = self.host.reserve(key, backup=backup)
+        if self._back:
+            self._spill_if_needed()  # a save took a slot (or found none): keep ahead
         return None if r is None else r.slot
 
     def holds(self, key: ChunkKey) -> bool:
@@ -494,12 +503,32 @@ class TieredStore:
                 self._offered.popitem(last=False)
 
     def _spill_if_needed(self) -> None:
-        if self.host.index.clean_or_free() >= self._reserve_slots:
+        """Queue the coldest dirty chunks for spilling while free-or-clean slots, plus
+        those being spilled, are below the low-water mark (at most ``spill_batch`` at a
+        time). Memory only."""
+        if not self._back:
+            return
+        with self._parts_lock:
+            short = self._reserve_slots - self.host.index.clean_or_free() - self._spilling
+        if short <= 0:
             return
         if not self.can_write_back():
             return  # every write-back tier is down: the chunks stay dirty (not lost)
-        for slot, meta in self.host.index.take_dirty(self._spill_batch):
-            self._queue_write(slot, meta, self._back, cleans=True, held=True, kind="spill")
+        for slot, meta in self.host.index.take_dirty(min(short, self._spill_batch)):
+            with self._parts_lock:
+                self._spilling += 1
+            fut = self._queue_write(slot, meta, self._back, cleans=True, held=True,
+                                    kind="spill")
+            if fut is None:
+                with self._parts_lock:
+                    self._spilling -= 1
+            else:
+                fut.add_done_callback(self._spilled)
+
+    def _spilled(self, _: Future[Any]) -> None:
+        """A spill ended (written or not): it no longer counts towards the mark."""
+        with self._parts_lock:
+            self._spilling -= 1
 
     def _queue_write(
         self,
@@ -780,6 +809,7 @@ class TieredStore:
             if got is not None or not self.host.index.pending(key):
                 if got is None:
                     record_drop("restore_no_slot")  # every slot held or dirty
+                    self._spill_if_needed()
                 return got
             settling = time.perf_counter()
             while not self.host.wait_settled(key, SETTLE_SLICE_S):

@@ -488,3 +488,22 @@ def test_concurrent_restores_of_one_prefix_share_a_read_in_flight(tmp_path: Path
             b.release()
     finally:
         store.close()
+
+
+def test_write_back_spills_ahead_to_a_low_water_mark_of_clean_slots(tmp_path: Path) -> None:
+    """Issue 36: a pool under pressure spills before it is full, so a save that reserves
+    its chunks all at once (the eviction hook) finds clean slots to take."""
+    store = _store(tmp_path, 8, WritePolicy.BACK)  # the mark: half the pool, 4 slots
+    try:
+        for i in range(6):
+            assert _put(store, i)
+        assert store.flush(10.0)  # the tier kept up
+        assert store.host.index.clean_or_free() == 4
+        slots = [store.reserve(make_key(100 + i)) for i in range(4)]
+        assert None not in slots, "a save found every slot dirty"
+        for slot in slots:
+            assert slot is not None
+            store.abort(slot)
+        assert store.lookup([make_key(i) for i in range(6)]).hits == 6  # nothing lost
+    finally:
+        store.close()
