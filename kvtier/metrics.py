@@ -115,13 +115,13 @@ WORKER_STEP_SECONDS = Series(
     "kvtier_worker_copy_seconds", _H, "Worker time copying KV in one engine step", (), _SECONDS
 )
 #: Stages of a restore (``kvtier_restore_stage_seconds{stage}``), where a slow one waited.
-RESTORE_STAGES = ("cap", "queue", "settle", "read", "staged", "copy")
+RESTORE_STAGES = ("cap", "queue", "settle", "slot", "read", "staged", "copy")
 RESTORE_STAGE_SECONDS = Series(
     "kvtier_restore_stage_seconds", _H,
     "Seconds one restore spent per stage: cap (waiting for room under the staging cap), "
     "queue (waiting for an IO thread), settle (waiting for another writer of a chunk's "
-    "host slot), read (lower-tier reads), "
-    "staged (lookup to every chunk held, all of the above), copy (the worker's copy of a "
+    "host slot), slot (writing a dirty chunk below to free a host slot), read (lower-tier "
+    "reads), staged (lookup to every chunk held, all of the above), copy (the worker's copy of a "
     "step's loads)",
     ("stage",), _SECONDS,
 )

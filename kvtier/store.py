@@ -62,7 +62,7 @@ import numpy as np
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import HealthConfig
 from kvtier.health import Breaker, TierUnavailable, breakers_for
-from kvtier.iopool import IOPool
+from kvtier.iopool import IOPool, IOPoolClosed
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop, record_store_error
 from kvtier.objformat import ChunkMeta, ChunkSpec
@@ -77,6 +77,9 @@ HOST = 0  # tier index of the host tier in every Lookup
 SETTLE_SLICE_S = 0.05
 #: ... and, for a read nobody can cancel (tools), gives up after this long.
 SETTLE_MAX_S = 30.0
+#: A promotion that finds every host slot held or dirty writes at most this many dirty
+#: chunks below itself to free one (``TieredStore._clean_one``) before it gives up.
+CLEAN_MAX = 4
 
 #: Probes waiting for a probe thread before ``probe`` refuses more.
 PROBE_QUEUE = 64
@@ -136,7 +139,7 @@ class LoadProgress:
     attribute stores: no lock.
 
     ``stages`` is where the load spent its time (wall seconds by ``RESTORE_STAGES`` name:
-    ``queue``, ``settle``, ``read``), added to by the IO thread running the
+    ``queue``, ``settle``, ``slot``, ``read``), added to by the IO thread running the
     load (``waited``); read it once the load's future is done."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -638,7 +641,11 @@ class TieredStore:
                 self._collecting.discard(id(tier))
             return tier.collect()
 
-        if self._submit(job, "collect", self._pool_of(tier), count_drop=False) is None:
+        try:
+            fut = self._submit(job, "collect", self._pool_of(tier), count_drop=False)
+        except IOPoolClosed:  # a write that ran on while the store closed: no collection
+            fut = None
+        if fut is None:
             with self._parts_lock:
                 self._collecting.discard(id(tier))
 
@@ -804,12 +811,21 @@ class TieredStore:
         tier = self.lower[tier_index - 1].tier
         t0 = time.perf_counter()
         r = self.host.reserve(key)
+        cleaned = 0
         while r is None:  # promoted (or being written) meanwhile by someone else
             got = self._hold_host(key, expect)
-            if got is not None or not self.host.index.pending(key):
-                if got is None:
-                    record_drop("restore_no_slot")  # every slot held or dirty
-                    self._spill_if_needed()
+            if got is None and not self.host.index.pending(key):
+                # every slot is held or dirty: write a dirty one below now, on this IO
+                # thread (a healthy tier takes milliseconds), and take its slot
+                if cleaned < CLEAN_MAX and not (progress and progress.cancelled) and \
+                        self._clean_one(progress):
+                    cleaned += 1
+                    r = self.host.reserve(key)
+                    continue
+                record_drop("restore_no_slot")
+                self._spill_if_needed()
+                return None
+            if got is not None:
                 return got
             settling = time.perf_counter()
             while not self.host.wait_settled(key, SETTLE_SLICE_S):
@@ -839,6 +855,31 @@ class TieredStore:
             # verified hits only: what a restore really costs
             self.on_read(tier.name, got[0][1].payload_len, time.perf_counter() - t0)
         return None if got is None else (got[0], tier_index)
+
+    def _clean_one(self, progress: LoadProgress | None) -> bool:
+        """IO threads only: write the coldest dirty, unheld host chunk to the write-back
+        tiers now and mark it clean (evictable), for a promotion that found every slot
+        held or dirty; the time is the load's ``slot`` stage. False if there is no such
+        chunk, no write-back tier may be written, or the write failed (the chunk stays
+        dirty)."""
+        if not self._back or not self.can_write_back():
+            return False
+        t0 = time.perf_counter()
+        picked = self.host.index.take_dirty(1)
+        if not picked:
+            return False
+        slot, meta = picked[0]
+        try:
+            ok = self._write_slot(slot, meta, self._back, "spill")
+            if ok:
+                self.host.index.mark_clean(slot, meta.key)
+            else:
+                self.host.index.write_failed(slot, meta.key)
+        finally:
+            self.host.release(slot)
+            if progress is not None:
+                progress.waited("slot", time.perf_counter() - t0)
+        return ok
 
     def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
         """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean, with the
