@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
 from benchmarks.multiturn_pd import Reply, stream_completion
+from kvtier.metrics import RESTORE_STAGES
 from kvtier.objformat import HEADER_SPAN, CorruptObject, decode_header
 from kvtier.testing.models import preset_model
 from kvtier.testing.servers import APIServer
@@ -175,10 +176,11 @@ def objects(store: Path) -> dict[str, int]:
     return out
 
 
-def kvtier_config(path: Path, store: Path, tails: bool, chunk_tokens: int) -> Path:
+def kvtier_config(path: Path, store: Path, tails: bool, chunk_tokens: int,
+                  host_capacity: str = "1GiB") -> Path:
     path.write_text(json.dumps({
         "chunk_tokens": chunk_tokens,
-        "tiers": [{"host": {"capacity": "1GiB"}},
+        "tiers": [{"host": {"capacity": host_capacity}},
                   {"file": {"path": str(store), "capacity": "16GiB", "write": "back"}}],
         "restore": {"recompute_threshold_tokens": 64},
         "partial_tails": tails,
@@ -194,7 +196,7 @@ def run_server(run: str, args: argparse.Namespace, model: Path, tmp: Path,
     store = tmp / f"store-{run}"
     if run != "ideal":
         kvt = kv_transfer_config(kvtier_config(tmp / f"{run}.yaml", store, run == "tails",
-                                                args.chunk_tokens))
+                                                args.chunk_tokens, args.host_capacity))
         blocks = args.small_blocks
     server = APIServer(tmp / run, model=model, name=run, dtype=args.dtype,
                        max_model_len=args.max_model_len, kv_transfer_config=kvt,
@@ -229,7 +231,25 @@ def run_server(run: str, args: argparse.Namespace, model: Path, tmp: Path,
         "restored_tokens": restored,
         "local_compute_tokens": metric(text, "vllm:prompt_tokens_by_source_total",
                                        source="local_compute"),
+        "restore_stage_ms": stage_means(text),
+        "drops": {r: metric(text, "kvtier_drops_total", reason=r) for r in DROP_REASONS},
     }
+
+
+#: ``kvtier_drops_total`` reasons a small host pool shows.
+DROP_REASONS = ("host_full", "load_timeout", "restore_no_slot", "store_queue_full")
+
+
+def stage_means(text: str) -> dict[str, dict[str, float]]:
+    """Per restore stage (``kvtier_restore_stage_seconds``): restores that passed through
+    it, and their mean and total milliseconds in it."""
+    out = {}
+    for stage in RESTORE_STAGES:
+        n = metric(text, "kvtier_restore_stage_seconds_count", stage=stage)
+        total = metric(text, "kvtier_restore_stage_seconds_sum", stage=stage) * 1e3
+        if n:
+            out[stage] = {"n": n, "mean_ms": round(total / n, 2), "total_ms": round(total, 1)}
+    return out
 
 
 def write_rows(path: Path, rows: list[Round]) -> None:
@@ -304,6 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="pd: copy the servers' and routers' logs here at the end")
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--host-capacity", default="1GiB",
+                    help="cache: the kvtier servers' host pool (e.g. 48MiB: smaller than the "
+                         "users' histories, so returns come from the file tier)")
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--flush-wait", type=float, default=4.0, metavar="S")
     ap.add_argument("--runs", default=None,

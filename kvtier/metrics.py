@@ -114,6 +114,17 @@ WORKER_FAILED_BLOCKS = Series(
 WORKER_STEP_SECONDS = Series(
     "kvtier_worker_copy_seconds", _H, "Worker time copying KV in one engine step", (), _SECONDS
 )
+#: Stages of a restore (``kvtier_restore_stage_seconds{stage}``), where a slow one waited.
+RESTORE_STAGES = ("cap", "queue", "settle", "slot", "read", "staged", "copy")
+RESTORE_STAGE_SECONDS = Series(
+    "kvtier_restore_stage_seconds", _H,
+    "Seconds one restore spent per stage: cap (waiting for room under the staging cap), "
+    "queue (waiting for an IO thread), settle (waiting for another writer of a chunk's "
+    "host slot), slot (writing a dirty chunk below to free a host slot), read (lower-tier "
+    "reads), staged (lookup to every chunk held, all of the above), copy (the worker's copy of a "
+    "step's loads)",
+    ("stage",), _SECONDS,
+)
 DROPPED_OBSERVATIONS = Series(
     "kvtier_observations_dropped_total", _C,
     f"Histogram observations over {MAX_OBSERVATIONS} per series in one engine step, not exported",
@@ -127,7 +138,7 @@ SERIES: dict[str, Series] = {
         OP_SECONDS, DROPS, STORE_ERRORS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
         RESTORED_REQUESTS, SPILLED,
         WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
-        DROPPED_OBSERVATIONS,
+        RESTORE_STAGE_SECONDS, DROPPED_OBSERVATIONS,
     )
 }
 
@@ -377,6 +388,17 @@ def record_worker_step(loaded_blocks: int, saved_blocks: int, seconds: float) ->
     if saved_blocks:
         _add(WORKER_BLOCKS, saved_blocks, "save")
     _observe(WORKER_STEP_SECONDS, seconds)
+    if loaded_blocks:
+        _observe(RESTORE_STAGE_SECONDS, seconds, "copy")
+
+
+def record_restore_stages(seconds_by_stage: dict[str, float]) -> None:
+    """One restore's time per stage (``RESTORE_STAGES``); a stage it did not pass
+    through is absent, and observed as nothing."""
+    for stage, seconds in seconds_by_stage.items():
+        if stage not in RESTORE_STAGES:
+            raise ValueError(f"unknown restore stage {stage!r}")
+        _observe(RESTORE_STAGE_SECONDS, seconds, stage)
 
 
 def record_failed_loads(blocks: int) -> None:

@@ -5,9 +5,13 @@ Data flows:
 * ``put`` / ``reserve(key)``+``commit(slot, meta)`` write into the host tier only (the one
   entry point for filling host slots: a slot is reserved for a key and gets its meta when
   committed); the caller never waits on storage. Each write-through tier gets the chunk
-  queued at once. With write-back tiers the chunk is *dirty* until spilled; when
-  free-or-clean host slots fall below the reserve, the coldest dirty chunks are queued for
-  spilling, then marked clean and so evictable.
+  queued at once. With write-back tiers the chunk is *dirty* until spilled. The pool
+  spills ahead of need: whenever free-or-clean host slots, counting those whose spill is
+  in flight, fall below the *low-water mark* (``clean_reserve`` of the pool, at least
+  one slot), the coldest dirty chunks are queued for spilling, then marked clean and so
+  evictable. Checked after every commit and every reservation (a save's or a
+  promotion's), and when a promotion finds no slot: a save or a restore finds a clean
+  slot instead of failing for want of one, as long as the tier keeps up.
 * ``lookup`` answers "how long is the stored prefix, and where is each chunk".
 * ``load(found)`` takes that answer, promotes its lower-tier entries into host slots (on
   the IO pool, ahead of stores) from the tier the lookup named, and hands back the chunks
@@ -44,6 +48,7 @@ be released from any thread.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -75,6 +80,9 @@ HOST = 0  # tier index of the host tier in every Lookup
 SETTLE_SLICE_S = 0.05
 #: ... and, for a read nobody can cancel (tools), gives up after this long.
 SETTLE_MAX_S = 30.0
+#: A promotion that finds every host slot held or dirty writes at most this many dirty
+#: chunks below itself to free one (``TieredStore._clean_one``) before it gives up.
+CLEAN_MAX = 4
 
 #: Probes waiting for a probe thread before ``probe`` refuses more.
 PROBE_QUEUE = 64
@@ -131,15 +139,24 @@ class LoadProgress:
 
     ``touch`` is called on the IO thread after each chunk; ``idle_for`` may be read from
     any thread; ``cancel`` (any thread) makes the load stop before its next chunk. Plain
-    attribute stores: no lock."""
+    attribute stores: no lock.
+
+    ``stages`` is where the load spent its time (wall seconds by ``RESTORE_STAGES`` name:
+    ``queue``, ``settle``, ``slot``, ``read``), added to by the IO thread running the
+    load (``waited``); read it once the load's future is done."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
         self.last = clock.monotonic()
         self.cancelled = False
+        self.stages: dict[str, float] = {}
 
     def touch(self) -> None:
         self.last = self.clock.monotonic()
+
+    def waited(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to ``stage`` (the IO thread running the load)."""
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 
     def idle_for(self) -> float:
         return self.clock.monotonic() - self.last
@@ -182,7 +199,7 @@ class TieredStore:
         io: IOPool,
         *,
         spill_batch: int = 8,
-        clean_reserve: float = 0.1,
+        clean_reserve: float = 0.5,
         breakers: Sequence[Breaker] | None = None,
         probe_threads: int = 2,
         tier_io: Sequence[IOPool] | None = None,
@@ -219,7 +236,9 @@ class TieredStore:
                 setattr(lt.tier, "collect_on_put", False)  # noqa: B010 - _collect_later
         self._parts_lock = threading.Lock()
         self._spill_batch = spill_batch
-        self._reserve_slots = max(1, int(host.pool.num_slots * clean_reserve))
+        #: the low-water mark of free-or-clean host slots (counting spills in flight)
+        self._reserve_slots = max(1, math.ceil(host.pool.num_slots * clean_reserve))
+        self._spilling = 0  # dirty chunks whose spill is queued or running
         self._back = [lt.tier for lt in self.lower if lt.write is WritePolicy.BACK]
         self._through = [lt.tier for lt in self.lower if lt.write is WritePolicy.THROUGH]
         self._inflight: set[Future[Any]] = set()
@@ -407,6 +426,8 @@ class TieredStore:
         depend on that other write: the first commit is published, the other is freed.
         Memory only."""
         r = self.host.reserve(key, backup=backup)
+        if self._back:
+            self._spill_if_needed()  # a save took a slot (or found none): keep ahead
         return None if r is None else r.slot
 
     def holds(self, key: ChunkKey) -> bool:
@@ -491,12 +512,32 @@ class TieredStore:
                 self._offered.popitem(last=False)
 
     def _spill_if_needed(self) -> None:
-        if self.host.index.clean_or_free() >= self._reserve_slots:
+        """Queue the coldest dirty chunks for spilling while free-or-clean slots, plus
+        those being spilled, are below the low-water mark (at most ``spill_batch`` at a
+        time). Memory only."""
+        if not self._back:
+            return
+        with self._parts_lock:
+            short = self._reserve_slots - self.host.index.clean_or_free() - self._spilling
+        if short <= 0:
             return
         if not self.can_write_back():
             return  # every write-back tier is down: the chunks stay dirty (not lost)
-        for slot, meta in self.host.index.take_dirty(self._spill_batch):
-            self._queue_write(slot, meta, self._back, cleans=True, held=True, kind="spill")
+        for slot, meta in self.host.index.take_dirty(min(short, self._spill_batch)):
+            with self._parts_lock:
+                self._spilling += 1
+            fut = self._queue_write(slot, meta, self._back, cleans=True, held=True,
+                                    kind="spill")
+            if fut is None:
+                with self._parts_lock:
+                    self._spilling -= 1
+            else:
+                fut.add_done_callback(self._spilled)
+
+    def _spilled(self, _: Future[Any]) -> None:
+        """A spill ended (written or not): it no longer counts towards the mark."""
+        with self._parts_lock:
+            self._spilling -= 1
 
     def _queue_write(
         self,
@@ -698,7 +739,11 @@ class TieredStore:
                 self._collecting.discard(id(tier))
             return tier.collect()
 
-        if self._submit(job, "collect", self._pool_of(tier), count_drop=False) is None:
+        try:
+            fut = self._submit(job, "collect", self._pool_of(tier), count_drop=False)
+        except IOPoolClosed:  # a write that ran on while the store closed: no collection
+            fut = None
+        if fut is None:
             with self._parts_lock:
                 self._collecting.discard(id(tier))
 
@@ -817,7 +862,7 @@ class TieredStore:
         pool = self._entry_pool(entries[0][1])
         try:
             job = pool.submit_load(partial(self._run_load, done, held, entries, progress,
-                                           pool))
+                                           pool, time.perf_counter()))
         except BaseException as e:
             held.release()
             done.set_exception(e)
@@ -831,10 +876,15 @@ class TieredStore:
         job.add_done_callback(unstarted)
 
     def _run_load(self, done: Future[Held], held: Held, entries: list[_Entry],
-                  progress: LoadProgress | None, pool: IOPool) -> None:
+                  progress: LoadProgress | None, pool: IOPool,
+                  queued: float | None = None) -> None:
         """Read ``entries`` on ``pool`` (an IO thread) until one must be read from a tier
         served by another pool: hand the rest to that pool (so a hung tier holds only its
-        own pool's threads, issue 32), else resolve ``done``."""
+        own pool's threads, issue 32), else resolve ``done``. ``queued``: when the job
+        was queued (the wait behind other loads or a running write is the ``queue``
+        stage)."""
+        if progress is not None and queued is not None:
+            progress.waited("queue", time.perf_counter() - queued)
         try:
             rest = self._promote(held, entries, progress, pool)
         except BaseException as e:
@@ -908,23 +958,43 @@ class TieredStore:
         tier = self.lower[tier_index - 1].tier
         t0 = time.perf_counter()
         r = self.host.reserve(key)
+        cleaned = 0
         while r is None:  # promoted (or being written) meanwhile by someone else
             got = self._hold_host(key, expect)
-            if got is not None or not self.host.index.pending(key):
+            if got is None and not self.host.index.pending(key):
+                # every slot is held or dirty: write a dirty one below now, on this IO
+                # thread (a healthy tier takes milliseconds), and take its slot
+                if cleaned < CLEAN_MAX and not (progress and progress.cancelled) and \
+                        self._clean_one(progress):
+                    cleaned += 1
+                    r = self.host.reserve(key)
+                    continue
+                record_drop("restore_no_slot")
+                self._spill_if_needed()
+                return None
+            if got is not None:
                 return got
+            settling = time.perf_counter()
             while not self.host.wait_settled(key, SETTLE_SLICE_S):
                 if progress is not None and progress.cancelled:
+                    progress.waited("settle", time.perf_counter() - settling)
                     return None
                 if progress is None and time.perf_counter() - t0 > SETTLE_MAX_S:
                     return None
+            if progress is not None:
+                progress.waited("settle", time.perf_counter() - settling)
             r = self.host.reserve(key)
         nbytes = expect.payload_len if expect is not None else self.host.slot_bytes
+        reading = time.perf_counter()
         try:
             with self._call(tier, read=True, nbytes=nbytes):
                 filled = self._fill(r.slot, key, tier, expect)
         except TierUnavailable:
             self.host.abort(r.slot)
             return None
+        finally:
+            if progress is not None:
+                progress.waited("read", time.perf_counter() - reading)
         if not filled:
             return None
         got = self._hold_host(key, expect)
@@ -932,6 +1002,35 @@ class TieredStore:
             # verified hits only: what a restore really costs
             self.on_read(tier.name, got[0][1].payload_len, time.perf_counter() - t0)
         return None if got is None else (got[0], tier_index)
+
+    def _clean_one(self, progress: LoadProgress | None) -> bool:
+        """IO threads only: write the coldest dirty, unheld host chunk to the write-back
+        tiers now and mark it clean (evictable), for a promotion that found every slot
+        held or dirty; the time is the load's ``slot`` stage. False if there is no such
+        chunk, no write-back tier may be written, or the write failed (the chunk stays
+        dirty)."""
+        # one write-back tier whose breaker is closed: a chunk is clean once ONE tier
+        # holds it (issue 32), and a tier that is down is never written from a load's
+        # thread
+        up = [t for t in self._back if (b := self._breaker_of.get(id(t))) is None or b.up]
+        if not up:
+            return False
+        t0 = time.perf_counter()
+        picked = self.host.index.take_dirty(1)
+        if not picked:
+            return False
+        slot, meta = picked[0]
+        try:
+            ok = self._write_slot(slot, meta, up[:1], "spill")
+            if ok:
+                self.host.index.mark_clean(slot, meta.key)
+            else:
+                self.host.index.write_failed(slot, meta.key)
+        finally:
+            self.host.release(slot)
+            if progress is not None:
+                progress.waited("slot", time.perf_counter() - t0)
+        return ok
 
     def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
         """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean, with the

@@ -84,6 +84,7 @@ def test_worker_records(export: m.StatsBatch) -> None:
     assert m.drain_export() == {
         "kvtier_worker_blocks_total": {"load": 4},
         "kvtier_worker_copy_seconds": {"": [0.01]},
+        "kvtier_restore_stage_seconds": {"copy": [0.01]},  # the step loaded: a restore's
         "kvtier_worker_failed_load_blocks_total": {"": 2},
     }
 

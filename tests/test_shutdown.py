@@ -106,11 +106,13 @@ def test_reset_returns_at_once_even_with_a_hung_tier(tmp_path: Path) -> None:
     gate = threading.Event()
     store = _store(RecordingTier(tmp_path / "t", gate), slots=10)
     try:
-        keys = _fill(store, 10)  # the pool is full: the coldest 8 spill into the hung tier
+        # the pool is full: the coldest 5 (the low-water mark, half the pool) spill into
+        # the hung tier
+        keys = _fill(store, 10)
         t0 = time.monotonic()
-        assert store.drop_host() == 2  # the 8 being spilled are held: kept
+        assert store.drop_host() == 5  # the 5 being spilled are held: kept
         assert time.monotonic() - t0 < 1.0
-        assert store.host.contains_prefix(keys) == 8
+        assert store.host.contains_prefix(keys) == 5
     finally:
         gate.set()
         store.close()
@@ -199,7 +201,9 @@ def test_max_dirty_leaves_the_store_queue_room_for_spills(tmp_path: Path) -> Non
     gate = threading.Event()
     tier = RecordingTier(tmp_path / "t", gate)
     host = HostTier(40 * PAYLOAD, PAYLOAD, clock=clock)
-    store = TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(1, 8))
+    # a low-water mark of 4 slots: 30 dirty chunks of 40 spill nothing by themselves
+    store = TieredStore(host, [LowerTier(tier, WritePolicy.BACK)], IOPool(1, 8),
+                        clean_reserve=0.1)
     flusher = IdleFlusher(store, 0.0, max_dirty_s=1.0, clock=clock)
     try:
         _fill(store, 30)

@@ -18,7 +18,7 @@ from kvtier.clock import ManualClock
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.objformat import ChunkMeta, ChunkSpec, checksum
-from kvtier.store import HOST, LowerTier, TieredStore, WritePolicy
+from kvtier.store import HOST, LoadProgress, LowerTier, TieredStore, WritePolicy
 from kvtier.tiers.base import PutStatus
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import HostTier
@@ -486,5 +486,55 @@ def test_concurrent_restores_of_one_prefix_share_a_read_in_flight(tmp_path: Path
         finally:
             a.release()
             b.release()
+    finally:
+        store.close()
+
+
+def test_write_back_spills_ahead_to_a_low_water_mark_of_clean_slots(tmp_path: Path) -> None:
+    """Issue 36: a pool under pressure spills before it is full, so a save that reserves
+    its chunks all at once (the eviction hook) finds clean slots to take."""
+    store = _store(tmp_path, 8, WritePolicy.BACK)  # the mark: half the pool, 4 slots
+    try:
+        for i in range(6):
+            assert _put(store, i)
+        assert store.flush(10.0)  # the tier kept up
+        assert store.host.index.clean_or_free() == 4
+        slots = [store.reserve(make_key(100 + i)) for i in range(4)]
+        assert None not in slots, "a save found every slot dirty"
+        for slot in slots:
+            assert slot is not None
+            store.abort(slot)
+        assert store.lookup([make_key(i) for i in range(6)]).hits == 6  # nothing lost
+    finally:
+        store.close()
+
+
+def test_a_promotion_into_an_all_dirty_pool_writes_a_dirty_chunk_below_for_its_slot(
+    tmp_path: Path,
+) -> None:
+    """Issue 36: a restore that finds every host slot dirty (nothing spilled yet) does not
+    end there: its IO thread writes the coldest dirty chunk below, takes the slot, and
+    reports the time as the ``slot`` stage. Nothing dirty is lost."""
+    store = _store(tmp_path, 4, WritePolicy.BACK)
+    try:
+        dirty = [make_key(i) for i in range(4)]
+        for key in dirty:  # straight into the host tier: no spill was triggered
+            r = store.host.reserve(key)
+            assert r is not None
+            store.host.view(r.slot, PAYLOAD)[:] = payload_for(key)
+            store.host.commit(r.slot, meta_for(key), dirty=True)
+        wanted = make_key(99)
+        below = store.lower[0].tier
+        assert below.put(meta_for(wanted), payload_for(wanted).data) is PutStatus.STORED
+        progress = LoadProgress()
+        held = store.load(store.lookup_indexed([wanted]), SPEC, progress).result()
+        try:
+            assert len(held) == 1 and held.from_tier == [1]
+            assert np.array_equal(held.view(0), payload_for(wanted))
+        finally:
+            held.release()
+        assert set(progress.stages) == {"queue", "slot", "read"}
+        assert below.contains_prefix([dirty[0]]) == 1, "the coldest dirty chunk went below"
+        assert store.lookup(dirty).hits == 4  # in the host or below: nothing lost
     finally:
         store.close()

@@ -136,6 +136,11 @@ class SimWorld:
                       for g in shape.groups]
         #: every rank's KV caches (what its worker connector registered), by rank
         self.caches: list[dict[str, torch.Tensor]] = []
+        from kvtier.metrics import export_enabled
+
+        # the connectors turn the process's metric export on; the world turns it back
+        # off when it closes if it was off (tests share the process)
+        self._export_was_on = export_enabled()
         # Workers first: vLLM registers their KV caches before building the scheduler.
         self.workers = [self._worker(rank) for rank in range(tp)]
         self.scheduler = Scheduler(
@@ -438,6 +443,10 @@ class SimWorld:
             for rank, conn in enumerate(self.workers):
                 conn.shutdown()
                 remove_published(conn.worker_side.pool_path, rank)
+            if not self._export_was_on:
+                from kvtier.metrics import disable_export
+
+                disable_export()
 
 
 def _gated(call: Any, world: SimWorld) -> Any:

@@ -50,7 +50,13 @@ from kvtier.config import KVTierConfig
 from kvtier.costmodel import CostModel, Decision
 from kvtier.flusher import IdleFlusher
 from kvtier.keys import ChunkKey, Namespace, chunk_keys, group_key, tail_key, window_key
-from kvtier.metrics import record_drop, record_failed_loads, record_restore, record_spill
+from kvtier.metrics import (
+    record_drop,
+    record_failed_loads,
+    record_restore,
+    record_restore_stages,
+    record_spill,
+)
 from kvtier.objformat import ChunkMeta, ChunkSpec
 from kvtier.store import Held, LoadProgress, Lookup, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
@@ -258,6 +264,8 @@ class SchedulerSide:
         self._recving: set[str] = set()
         #: requests whose load failed: not restored again (until they finish)
         self._load_failed: set[str] = set()
+        #: req -> when the staging cap first refused it room (stage ``cap``)
+        self._capped: dict[str, float] = {}
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
         #: a load that read no chunk for this long is abandoned (the request recomputes)
@@ -448,6 +456,7 @@ class SchedulerSide:
             return 0, False
         staged = self._staged_chunks()
         if staged and staged + d.chunks > self._staged_cap:
+            self._capped.setdefault(rid, time.perf_counter())
             return None, False  # staged KV is waiting for admission: ask again
         full = min(d.chunks, hit.hits)
         found, specs = hit.head(full), [self._spec(ns)] * full
@@ -457,7 +466,7 @@ class SchedulerSide:
             specs.append(self._tail_spec(ns, tail.blocks))
             tail_blocks = tail.blocks
         lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
-                     t0=t0, threshold=own, progress=LoadProgress(self.clock),
+                     t0=t0, threshold=own, progress=self._progress(rid),
                      chunks=d.chunks)
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
@@ -520,8 +529,9 @@ class SchedulerSide:
             return 0, False
         held = self._staged_chunks()
         if held and held + len(specs) > self._staged_cap:
+            self._capped.setdefault(request.request_id, time.perf_counter())
             return None, False
-        lk = _Lookup(keys, first, threshold=own, progress=LoadProgress(self.clock),
+        lk = _Lookup(keys, first, threshold=own, progress=self._progress(request.request_id),
                      chunks=len(specs), end=end, asked_at=num_computed, **staged)
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
@@ -755,12 +765,17 @@ class SchedulerSide:
                 # A read made no progress for too long (a hung filesystem blocks in the
                 # kernel): recompute now; the read's slots are released when it returns.
                 lk.progress.cancel()
+                record_restore_stages({**lk.progress.stages,
+                                       "staged": time.perf_counter() - lk.t0})
                 self._forget(rid)
                 record_drop("load_timeout")
                 log.warning("kvtier: restore for %s made no progress for %.2f s; "
                             "recomputing", rid, stall_s)
                 return 0, False
             fut, lk.future = lk.future, None
+            if lk.progress is not None:
+                record_restore_stages({**lk.progress.stages,
+                                       "staged": time.perf_counter() - lk.t0})
             try:
                 lk.held = fut.result()
                 lk.chunks, lk.staged_step = len(lk.held), self._step
@@ -871,6 +886,15 @@ class SchedulerSide:
             rid, now - t0,
         )
         return False
+
+    def _progress(self, rid: str) -> LoadProgress:
+        """A new load's progress, charged with the time its request waited for room
+        under the staging cap (stage ``cap``)."""
+        progress = LoadProgress(self.clock)
+        capped = self._capped.pop(rid, None)
+        if capped is not None:
+            progress.waited("cap", time.perf_counter() - capped)
+        return progress
 
     def _staged_chunks(self) -> int:
         """Host chunks held or being read for requests vLLM has not admitted yet."""
@@ -998,6 +1022,7 @@ class SchedulerSide:
         self._async_blocks.pop(rid, None)
         self._recving.discard(rid)
         self._load_failed.discard(rid)
+        self._capped.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         return restored, restore_ms, self._epoch_of.pop(rid, self.identities.epoch)
 

@@ -1,0 +1,92 @@
+"""A host pool smaller than the users' histories, in front of a write-back file tier
+(issue 36): the LMCache multi-round shape, users taking turns, at unit scale.
+
+Requests are plain records with the attributes of vLLM's ``Request`` that the scheduler
+side reads; the store is real (a 16-slot host pool and a file tier); the worker's part is
+the ``finished_sending`` and ``loaded_steps`` reports. Between two requests the test
+waits for the queued writes (``store.flush``): a healthy, idle disk keeps up.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import metrics as m
+from kvtier.build import build_store
+from kvtier.clock import ManualClock
+from kvtier.config import KVTierConfig
+from kvtier.keys import Namespace
+from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.protocol import KVTierWorkerMetadata
+from kvtier.vllm.scheduler_side import SchedulerSide
+from tests.vllm.hooks import Blocks, ask, request_record
+
+BS, BPC = 16, 4
+CT = BS * BPC
+GEOM = Geometry(2, 2, 8, BS, 1024, "float32")
+NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_layout="NHD",
+               num_layers=2, num_kv_heads=2, head_size=8, chunk_tokens=CT, block_size=BS)
+SLOTS, USERS, ROUNDS = 16, 6, 4
+HISTORY = 5 * CT + 20  # about 6 chunks a conversation: 36 for all users, 16 slots
+
+
+@pytest.fixture
+def export() -> Iterator[m.StatsBatch]:
+    batch = m.enable_export()
+    batch.drain()
+    try:
+        yield batch
+    finally:
+        m.disable_export()
+
+
+@pytest.fixture
+def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT,
+        "tiers": [{"host": {"capacity": SLOTS * GEOM.chunk_bytes(CT), "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "back"}}],
+        "restore": {"recompute_threshold_tokens": 1},
+        "idle_flush_seconds": 0, "max_dirty_seconds": 0, "partial_tails": False,
+    })
+    s = SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
+                      clock=ManualClock())
+    yield s
+    s.close()
+
+
+def _step(sched: SchedulerSide, sent: set[str] | None = None) -> None:
+    """One engine step: the worker copies its loads and saves and reports them."""
+    meta = sched.build_meta()
+    sched.on_worker_output(sent, KVTierWorkerMetadata(
+        loaded_steps=[meta.step] if meta.loads else [], step=meta.step))
+
+
+def test_users_taking_turns_restore_their_whole_history_and_no_save_is_dropped(
+        sched: SchedulerSide, export: m.StatsBatch) -> None:
+    rng = random.Random(0)
+    convs = [[rng.randrange(3, 500) for _ in range(HISTORY)] for _ in range(USERS)]
+    short: list[tuple[int, int, int, int]] = []
+    for r in range(ROUNDS):
+        for u in range(USERS):
+            prompt = convs[u] + [rng.randrange(3, 500) for _ in range(rng.randint(8, 24))]
+            rid = f"{u}-{r}"
+            req = request_record(rid, prompt, computed=0)
+            n = ask(sched, req) or 0
+            if r and n < len(convs[u]) // CT * CT:  # its history, down to the chunk
+                short.append((u, r, n, len(convs[u])))
+            blocks = list(range(-(-len(prompt) // BS)))
+            sched.update_state_after_alloc(req, Blocks(blocks), n)
+            _step(sched)  # the loads are copied; their host slots are released
+            out = [*prompt, *(rng.randrange(3, 500) for _ in range(4))]
+            sched.request_finished(request_record(rid, out), list(range(-(-len(out) // BS))))
+            _step(sched)
+            _step(sched, {rid})  # the save is copied: its chunks are committed, dirty
+            assert sched.store.flush(10.0)  # an idle disk: every queued write is done
+            convs[u] = out
+    drops = export.drain().get(m.DROPS.name, {})
+    assert short == [] and drops.get("host_full", 0) == 0, (short, drops)
