@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
+from kvtier.vllm.events import KVEvents, events_for
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -136,6 +137,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._step_blocks: tuple[int, int] | None = None  # worker: (loaded, saved) this step
+        #: KV events (``events.py``): on with vLLM's ``--kv-events-config`` only
+        self._events: KVEvents | None = None
+        self._noted: dict[str, int] = {}  # live request -> its chunks noted for events
         enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
             # The worker registered its KV caches (and published this) before vLLM
@@ -146,6 +150,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
+            kv_events = getattr(vllm_config, "kv_events_config", None)
+            if kv_events is not None and kv_events.enable_kv_cache_events:
+                self._events = events_for(self._sched, kv_cache_config)
         else:
             groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(cfg, geometry, groups, path)
@@ -161,9 +168,25 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "called on the scheduler side"
         return self._worker
 
+    def _note(self, request: Any) -> None:
+        """Tell the KV events how the request's chunks map to vLLM's block hashes (new
+        chunks only), before anything of them can be stored or promoted."""
+        if self._events is None:
+            return
+        keys = self.scheduler_side.chunk_keys(request)
+        rid = request.request_id
+        if len(keys) > self._noted.get(rid, 0):
+            self._events.note(request, keys, self._noted.get(rid, 0))
+            self._noted[rid] = len(keys)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's scheduler merges these into its KV event stream, once a step."""
+        return self._events.take() if self._events is not None else []
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._note(request)
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -182,6 +205,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._note(request)
+        self._noted.pop(request.request_id, None)
         return self.scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(
@@ -189,6 +214,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
+        self._note(request)
+        self._noted.pop(request.request_id, None)
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
@@ -196,11 +223,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """True while a flush started by a stop signal runs: vLLM's engine loop (and with
-        it vLLM's signal handler) stays up until it is done or out of time."""
-        return self._sched is not None and self._sched.stop_flush_pending()
+        it vLLM's signal handler) stays up until it is done or out of time. With KV
+        events on, also while events wait or lower-tier writes are in flight, so what a
+        finished request stored is published without waiting for the next request (an
+        idle engine does not step: what happens while it is idle waits for the next)."""
+        if self._sched is None:
+            return False
+        if self._events is not None and (self._events.pending()
+                                         or not self._sched.store.flush(0.0)):
+            return True  # events to publish, or writes whose events will follow
+        return self._sched.stop_flush_pending()
 
     def reset_cache(self) -> bool | None:
-        return self._sched.reset() if self._sched is not None else None
+        if self._sched is None:
+            return None
+        done = self._sched.reset()
+        if self._events is not None and self._sched.cfg.reset_cache == "weights":
+            self._events.withdraw_all()  # nothing stored before is served again
+        return done
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
