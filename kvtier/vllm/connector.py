@@ -41,6 +41,7 @@ block-level error to a request when block ids repeat across groups.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -69,6 +70,10 @@ from kvtier.vllm.settings import parse_extra_config
 from kvtier.vllm.shm import pool_path, publish_physical, read_all_physical
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
+
+#: After a request finishes, the engine keeps stepping this long at most while
+#: lower-tier writes are in flight (with KV events on), so their STORAGE events go out.
+EVENT_WRITES_WATCH_S = 5.0
 
 if TYPE_CHECKING:
     import torch
@@ -140,6 +145,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         #: KV events (``events.py``): on with vLLM's ``--kv-events-config`` only
         self._events: KVEvents | None = None
         self._noted: dict[str, int] = {}  # live request -> its chunks noted for events
+        self._writes_watched_until = 0.0  # monotonic: keep stepping for writes' events
         enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
             # The worker registered its KV caches (and published this) before vLLM
@@ -179,6 +185,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._events.note(request, keys, self._noted.get(rid, 0))
             self._noted[rid] = len(keys)
 
+    def _finish_noting(self, request: Any) -> None:
+        if self._events is None:
+            return
+        self._note(request)
+        self._noted.pop(request.request_id, None)
+        self._writes_watched_until = time.monotonic() + EVENT_WRITES_WATCH_S
+
     def take_events(self) -> list[Any]:
         """vLLM's scheduler merges these into its KV event stream, once a step."""
         return self._events.take() if self._events is not None else []
@@ -205,8 +218,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._note(request)
-        self._noted.pop(request.request_id, None)
+        self._finish_noting(request)
         return self.scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(
@@ -214,8 +226,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
-        self._note(request)
-        self._noted.pop(request.request_id, None)
+        self._finish_noting(request)
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
@@ -224,14 +235,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """True while a flush started by a stop signal runs: vLLM's engine loop (and with
         it vLLM's signal handler) stays up until it is done or out of time. With KV
-        events on, also while events wait or lower-tier writes are in flight, so what a
-        finished request stored is published without waiting for the next request (an
-        idle engine does not step: what happens while it is idle waits for the next)."""
+        events on, also while events wait, and while lower-tier writes are in flight up to
+        ``EVENT_WRITES_WATCH_S`` after a request finished, so what it stored is published
+        without waiting for the next request (bounded: a hung tier cannot keep the engine
+        busy, nor hold up a pause). An idle engine does not step: what happens while it
+        is idle (an idle flush, a walk) goes out at the next request."""
         if self._sched is None:
             return False
-        if self._events is not None and (self._events.pending()
-                                         or not self._sched.store.flush(0.0)):
-            return True  # events to publish, or writes whose events will follow
+        if self._events is not None and (
+                self._events.pending()
+                or (time.monotonic() < self._writes_watched_until
+                    and not self._sched.store.flush(0.0))):
+            return True  # events to publish, or a finished request's writes in flight
         return self._sched.stop_flush_pending()
 
     def reset_cache(self) -> bool | None:
