@@ -228,6 +228,19 @@ class RetentionConfig(_Model):
         return data
 
 
+class EventsConfig(_Model):
+    """KV events (``kvtier.vllm.events``; on with vLLM's ``--kv-events-config``)."""
+
+    #: Chunks claimed held (per medium) at most; beyond, the oldest claims are withdrawn
+    #: (BlockRemoved). Each costs about 250 bytes (16 blocks a chunk, vLLM's integer
+    #: hashes): 250 MB at 1M.
+    max_chunks: int = Field(1_000_000, ge=1)
+    #: Chunks whose BlockStored payload (tokens, extra keys) is kept until they reach a
+    #: tier: 4 bytes a token. A chunk written below after its payload went is published
+    #: with empty token_ids.
+    max_payload_chunks: int = Field(16_384, ge=1)
+
+
 class KVTierConfig(_Model):
     chunk_tokens: int = Field(256, ge=16, le=65536)
     copy_backend: Literal["auto", "native", "torch"] = "auto"
@@ -236,6 +249,7 @@ class KVTierConfig(_Model):
     health: HealthConfig = HealthConfig()
     restore: RestoreConfig = RestoreConfig()
     retention: RetentionConfig = RetentionConfig()
+    events: EventsConfig = EventsConfig()
     #: On a clean shutdown, seconds spent writing dirty host chunks to the write-back
     #: tiers (most recently used first) before the engine exits. 0 disables the flush.
     shutdown_flush_seconds: float = Field(20.0, ge=0, le=3600)

@@ -40,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +106,9 @@ class CompactIndex:
         self._tick = 0
         self._touch_base: float | None = None
         self.bytes = 0
+        #: Told each key that ``forget``/``forget_if`` dropped (after the lock is let go):
+        #: the KV event stream (``kvtier.vllm.events``). Must only enqueue, never block.
+        self.on_forget: Callable[[ChunkKey], None] | None = None
 
     # -- internals (lock held) ----------------------------------------------------------
     def _find(self, k0: int, k1: int) -> tuple[int, int]:
@@ -419,7 +422,12 @@ class CompactIndex:
         k0, k1 = split(key)
         with self._lock:
             cell, e = self._find(k0, k1)
-            return None if e < 0 else self._remove(cell, e)
+            if e < 0:
+                return None
+            entry = self._remove(cell, e)
+        if self.on_forget is not None:
+            self.on_forget(key)
+        return entry
 
     def forget_if(self, key: ChunkKey, seen: Entry) -> bool:
         """Drop ``key`` only if its entry is still ``seen`` (nothing recorded since)."""
@@ -429,7 +437,9 @@ class CompactIndex:
             if e < 0 or int(self._version[e]) != seen.version:
                 return False
             self._remove(cell, e)
-            return True
+        if self.on_forget is not None:
+            self.on_forget(key)
+        return True
 
     def replace_if(self, key: ChunkKey, seen: Entry, size: int, last_used: float) -> bool:
         """``remember`` (keeping ``touched``) only if the entry of ``key`` is still ``seen``."""

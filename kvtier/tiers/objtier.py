@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.clock import Clock
 from kvtier.keys import ChunkKey
@@ -133,6 +133,10 @@ class ObjectTier:
         self._closing = threading.Event()  # set by close: the start scan stops
         self._faulting = False  # log the first fault of an outage; count the rest
         self.index_seconds: float | None = None  # how long the start scan took
+        #: Told each key this node's ``put`` wrote (``STORED``; not objects other nodes
+        #: wrote, found by the scan or walk): the KV event stream publishes a shared
+        #: object from its writer only (``kvtier.vllm.events``). Must only enqueue.
+        self.on_stored: Callable[[ChunkKey], None] | None = None
 
     @property
     def name(self) -> str:
@@ -327,6 +331,8 @@ class ObjectTier:
             return PutStatus.FAILED
         self._faulting = False
         self.index.remember(meta.key, meta.object_len, stamp, stamp)
+        if self.on_stored is not None:
+            self.on_stored(meta.key)
         self.metrics.wrote(meta.payload_len)
         self.metrics.observe("put", time.perf_counter() - t0)
         if self.collect_on_put:  # else whoever owns the tier collects (TieredStore)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -108,6 +108,11 @@ class SlotIndex:
         self._lock = threading.Lock()
         #: notified whenever a key stops being written (its slot committed or aborted)
         self._settled = threading.Condition(self._lock)
+        #: Told ``(True, key)`` when a key becomes READY (committed) and ``(False, key)``
+        #: when a READY key leaves (evicted, removed): the KV event stream
+        #: (``kvtier.vllm.events``). Called under the index lock from whichever thread
+        #: changed it, so it must only enqueue (never block, never call back in).
+        self.observer: Callable[[bool, ChunkKey], None] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -148,6 +153,9 @@ class SlotIndex:
                     self._slots[slot] = _Slot()
                     self._free.append(slot)
                 evicted = tuple(victims)
+                if self.observer is not None:
+                    for victim in evicted:
+                        self.observer(False, victim)
             slot = self._free.pop()
             s = self._expect(slot, SlotState.FREE)
             s.state, s.key = SlotState.WRITING, key
@@ -198,6 +206,8 @@ class SlotIndex:
                 self._policy.insert(meta.key)
             self._dirty += dirty
             self._by_key[meta.key] = slot
+            if self.observer is not None:
+                self.observer(True, meta.key)
             return True
 
     def abort(self, slot: int) -> None:
@@ -346,6 +356,8 @@ class SlotIndex:
                 self._policy.remove(key)
             self._slots[slot] = _Slot()
             self._free.append(slot)
+            if self.observer is not None:
+                self.observer(False, key)
             return True
 
     def entries(self) -> list[tuple[int, ChunkMeta]]:

@@ -46,6 +46,7 @@ block-level error to a request when block ids repeat across groups.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
+from kvtier.vllm.events import KVEvents, events_for
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -73,6 +75,10 @@ from kvtier.vllm.settings import parse_extra_config
 from kvtier.vllm.shm import pool_path, publish_physical, read_all_physical
 from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
+
+#: After a request finishes, the engine keeps stepping this long at most while
+#: lower-tier writes are in flight (with KV events on), so their STORAGE events go out.
+EVENT_WRITES_WATCH_S = 5.0
 
 if TYPE_CHECKING:
     import torch
@@ -156,6 +162,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._step_blocks: tuple[int, int] | None = None  # worker: (loaded, saved) this step
+        #: KV events (``events.py``): on with vLLM's ``--kv-events-config`` only
+        self._events: KVEvents | None = None
+        self._noted: dict[str, int] = {}  # live request -> its chunks noted for events
+        self._writes_watched_until = 0.0  # monotonic: keep stepping for writes' events
         enable_export()  # this process's records go out through get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
             # The worker registered its KV caches (and published this) before vLLM
@@ -166,6 +176,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
+            kv_events = getattr(vllm_config, "kv_events_config", None)
+            if kv_events is not None and kv_events.enable_kv_cache_events:
+                self._events = events_for(self._sched, kv_cache_config)
         else:
             groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(cfg, geometry, groups, path)
@@ -188,9 +201,32 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None, "called on the scheduler side"
         return self._worker
 
+    def _note(self, request: Any) -> None:
+        """Tell the KV events how the request's chunks map to vLLM's block hashes (new
+        chunks only), before anything of them can be stored or promoted."""
+        if self._events is None:
+            return
+        keys = self.scheduler_side.chunk_keys(request)
+        rid = request.request_id
+        if len(keys) > self._noted.get(rid, 0):
+            self._events.note(request, keys, self._noted.get(rid, 0))
+            self._noted[rid] = len(keys)
+
+    def _finish_noting(self, request: Any) -> None:
+        if self._events is None:
+            return
+        self._note(request)
+        self._noted.pop(request.request_id, None)
+        self._writes_watched_until = time.monotonic() + EVENT_WRITES_WATCH_S
+
+    def take_events(self) -> list[Any]:
+        """vLLM's scheduler merges these into its KV event stream, once a step."""
+        return self._events.take() if self._events is not None else []
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        self._note(request)
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -210,6 +246,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._finish_noting(request)
         return self.scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(
@@ -217,6 +254,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
+        self._finish_noting(request)
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
@@ -224,11 +262,28 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """True while a flush started by a stop signal runs: vLLM's engine loop (and with
-        it vLLM's signal handler) stays up until it is done or out of time."""
-        return self._sched is not None and self._sched.stop_flush_pending()
+        it vLLM's signal handler) stays up until it is done or out of time. With KV
+        events on, also while events wait, and while lower-tier writes are in flight up to
+        ``EVENT_WRITES_WATCH_S`` after a request finished, so what it stored is published
+        without waiting for the next request (bounded: a hung tier cannot keep the engine
+        busy, nor hold up a pause). An idle engine does not step: what happens while it
+        is idle (an idle flush, a walk) goes out at the next request."""
+        if self._sched is None:
+            return False
+        if self._events is not None and (
+                self._events.pending()
+                or (time.monotonic() < self._writes_watched_until
+                    and not self._sched.store.flush(0.0))):
+            return True  # events to publish, or a finished request's writes in flight
+        return self._sched.stop_flush_pending()
 
     def reset_cache(self) -> bool | None:
-        return self._sched.reset() if self._sched is not None else None
+        if self._sched is None:
+            return None
+        done = self._sched.reset()
+        if self._events is not None and self._sched.cfg.reset_cache == "weights":
+            self._events.withdraw_all()  # nothing stored before is served again
+        return done
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

