@@ -767,9 +767,12 @@ class SchedulerSide:
         if lk.future is not None:
             if not lk.future.done():
                 # the wait never outlasts the recompute of what it restores (waitbound)
-                stall_s = self.waits.seconds(self.load_stall_s, lk.first_chunk * self.ct,
-                                             lk.end or (lk.first_chunk + max(1, lk.full))
-                                             * self.ct + lk.tail_blocks * self.bs)
+                # (a P/D decode restoring what its prefill node announced keeps the
+                # configured allowance: that restore is the point of the hand-off)
+                stall_s = self.load_stall_s if _request_params(request).get("expect") \
+                    else self.waits.seconds(self.load_stall_s, lk.first_chunk * self.ct,
+                                            lk.end or (lk.first_chunk + max(1, lk.full))
+                                            * self.ct + lk.tail_blocks * self.bs)
                 if lk.progress is None or lk.progress.idle_for() < stall_s:
                     return None, False
                 # A read made no progress for too long (a hung filesystem blocks in the
