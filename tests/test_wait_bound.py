@@ -36,6 +36,18 @@ def test_the_bound_is_the_recompute_within_floor_and_configured() -> None:
     assert bound.seconds(0.05, 0, 384) == 0.05  # never above the configured seconds
 
 
+def test_healthy_storage_gets_the_configured_wait_until_one_runs_out() -> None:
+    """On a loaded node a healthy shared filesystem may answer slower than a small
+    model's recompute: the tight bound applies only for a while after a wait ran out."""
+    steps = StepModel(warmup_steps=8)
+    _warm(steps)
+    bound = WaitBound(steps, suspect_s=60.0)
+    assert bound.seconds(1.0, 0, 384, now=100.0) == 1.0  # nothing ran out yet
+    bound.missed(100.0)
+    assert bound.seconds(1.0, 0, 384, now=130.0) == FLOOR_S
+    assert bound.seconds(1.0, 0, 384, now=161.0) == 1.0  # a minute later: healthy again
+
+
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
@@ -47,6 +59,7 @@ def test_a_probe_of_a_hung_tier_waits_no_longer_than_the_recompute(
     sched, tier = _sched(tmp_path, clock)
     try:
         _warm(sched.waits.steps)
+        sched.waits.missed(clock.monotonic())  # an earlier wait ran out: suspect
         tier.hang.set()
         req = _request("p", 2)
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # probing
@@ -66,6 +79,7 @@ def test_a_stuck_load_waits_no_longer_than_the_recompute(
     sched, tier = _sched(tmp_path, clock)
     try:
         _warm(sched.waits.steps)
+        sched.waits.missed(clock.monotonic())  # an earlier wait ran out: suspect
         req = _request("r", 1)
         _store_below(sched, tier, req, 3)
         tier.hang.set()

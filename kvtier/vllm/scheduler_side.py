@@ -772,12 +772,14 @@ class SchedulerSide:
                 stall_s = self.load_stall_s if _request_params(request).get("expect") \
                     else self.waits.seconds(self.load_stall_s, lk.first_chunk * self.ct,
                                             lk.end or (lk.first_chunk + max(1, lk.full))
-                                            * self.ct + lk.tail_blocks * self.bs)
+                                            * self.ct + lk.tail_blocks * self.bs,
+                                            self.clock.monotonic())
                 if lk.progress is None or lk.progress.idle_for() < stall_s:
                     return None, False
                 # A read made no progress for too long (a hung filesystem blocks in the
                 # kernel): recompute now; the read's slots are released when it returns.
                 lk.progress.cancel()
+                self.waits.missed(self.clock.monotonic())
                 record_restore_stages({**lk.progress.stages,
                                        "staged": time.perf_counter() - lk.t0})
                 self._forget(rid)
@@ -840,7 +842,7 @@ class SchedulerSide:
                 return False
             at_stake = len(beyond) * self.ct
             limit = self.lookup_timeout_s if waiting else self.waits.seconds(
-                self.lookup_timeout_s, 0, at_stake)
+                self.lookup_timeout_s, 0, at_stake, now)
             self._probes[rid] = _Probe(fut, now, progress, limit_s=limit)
             return True
         if p.answered is not None:
@@ -851,6 +853,7 @@ class SchedulerSide:
         if now - p.started < p.limit_s:
             return True
         p.answered = now
+        self.waits.missed(now)
         p.progress.cancel()  # it asks nothing more once its tier answers
         p.future.cancel()  # not started yet: never runs
         log.info("kvtier: lower tiers did not answer for %s within %.2f s; not waiting",

@@ -26,16 +26,35 @@ from kvtier.stepfit import StepModel
 FLOOR_S = 0.25
 
 
+#: After a wait ran out (a probe or load abandoned at its deadline), waits stay bounded
+#: by the recompute for this long after the last one; the storage is suspect.
+SUSPECT_S = 60.0
+
+
 class WaitBound:
-    def __init__(self, steps: StepModel, floor_s: float = FLOOR_S) -> None:
+    def __init__(self, steps: StepModel, floor_s: float = FLOOR_S,
+                 suspect_s: float = SUSPECT_S) -> None:
         self.steps = steps
         self.floor_s = floor_s
+        self.suspect_s = suspect_s
+        self._missed_at: float | None = None
 
-    def seconds(self, configured_s: float, start_tokens: int, end_tokens: int) -> float:
+    def missed(self, now: float) -> None:
+        """A wait ran out at ``now`` (the caller's clock): the storage is suspect."""
+        self._missed_at = now
+
+    def seconds(self, configured_s: float, start_tokens: int, end_tokens: int,
+                now: float | None = None) -> float:
         """How long to wait for tokens ``[start_tokens, end_tokens)`` (those the wait
         may save, with ``[0, start_tokens)`` already cached): the measured recompute of
-        them, within ``[floor_s, configured_s]``; ``configured_s`` while unmeasured."""
+        them, within ``[floor_s, configured_s]``; ``configured_s`` while unmeasured, and
+        (given ``now``) while no wait ran out in the last ``suspect_s``: healthy storage
+        on a loaded node may take longer than a small model's recompute, and the first
+        wait on a tier that stops answering pays the configured deadline once."""
         if not self.steps.warm:
+            return configured_s
+        if now is not None and (self._missed_at is None
+                                or now - self._missed_at > self.suspect_s):
             return configured_s
         recompute = self.steps.recompute_seconds(start_tokens, end_tokens)
         return min(configured_s, max(self.floor_s, recompute))
