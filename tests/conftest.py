@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtier.metrics as m
 from kvtier.testing.ceph import REQUIRE_ENV, CephCluster, ceph_cluster, unavailable_reason
 from kvtier.testing.s3server import dummy_credentials
 
@@ -56,3 +57,15 @@ def other_node(cluster: CephCluster, path: Path) -> Path:
     if path.is_relative_to(first):
         return second / path.relative_to(first)
     return first / path.relative_to(second)
+
+
+@pytest.fixture
+def export() -> Iterator[m.StatsBatch]:
+    """kvtier's metric export on for one test, and off again after it (the module
+    default)."""
+    batch = m.enable_export()
+    batch.drain()
+    try:
+        yield batch
+    finally:
+        m.disable_export()

@@ -5,24 +5,12 @@ from __future__ import annotations
 import json
 import pickle
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import prometheus_client
 import pytest
 
 import kvtier.metrics as m
-
-
-@pytest.fixture
-def export() -> Iterator[m.StatsBatch]:
-    """Export on for one test, and off again after it (the module default)."""
-    batch = m.enable_export()
-    batch.drain()
-    try:
-        yield batch
-    finally:
-        m.disable_export()
 
 
 def test_importing_registers_no_prometheus_collector() -> None:

@@ -95,3 +95,21 @@ def request_record(rid: str, tokens: list[int], computed: int | None = None) -> 
         num_computed_tokens=len(tokens) - 1 if computed is None else computed,
         kv_transfer_params=None, cache_salt=None, lora_request=None,
         mm_features=None, prompt_embeds=None)
+
+
+def small_pool_sched(tmp_path: Path, geom: Geometry, ns: Namespace, chunk_tokens: int,
+                     slots: int) -> SchedulerSide:
+    """A scheduler side over a host pool of ``slots`` chunks and a write-back file tier
+    in ``tmp_path`` that restores anything (threshold 1 token), without partial tails or
+    idle flushes, on a ManualClock."""
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": chunk_tokens,
+        "tiers": [{"host": {"capacity": slots * geom.chunk_bytes(chunk_tokens),
+                            "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "back"}}],
+        "restore": {"recompute_threshold_tokens": 1},
+        "idle_flush_seconds": 0, "max_dirty_seconds": 0, "partial_tails": False,
+    })
+    return SchedulerSide(cfg, geom, ns, None,
+                         store=build_store(cfg, geom.chunk_bytes(chunk_tokens)),
+                         clock=ManualClock())

@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvtier import metrics as m
-from kvtier.build import build_store
-from kvtier.clock import ManualClock
-from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.scheduler_side import SchedulerSide
-from tests.vllm.hooks import Blocks, ask, request_record
+from tests.vllm.hooks import Blocks, ask, request_record, small_pool_sched
 
 BS, BPC = 16, 4
 CT = BS * BPC
@@ -30,27 +27,10 @@ NS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32", kv_lay
 SLOTS = 8  # the staging cap is half: 4 chunks
 
 
-@pytest.fixture
-def export() -> Iterator[m.StatsBatch]:
-    batch = m.enable_export()
-    batch.drain()
-    try:
-        yield batch
-    finally:
-        m.disable_export()
-
 
 @pytest.fixture
 def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
-    cfg = KVTierConfig.model_validate({
-        "chunk_tokens": CT,
-        "tiers": [{"host": {"capacity": SLOTS * GEOM.chunk_bytes(CT), "pinned": "no"}},
-                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "back"}}],
-        "restore": {"recompute_threshold_tokens": 1},
-        "idle_flush_seconds": 0, "max_dirty_seconds": 0, "partial_tails": False,
-    })
-    s = SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
-                      clock=ManualClock())
+    s = small_pool_sched(tmp_path, GEOM, NS, CT, SLOTS)
     yield s
     s.close()
 

@@ -16,14 +16,11 @@ from pathlib import Path
 import pytest
 
 from kvtier import metrics as m
-from kvtier.build import build_store
-from kvtier.clock import ManualClock
-from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
-from tests.vllm.hooks import Blocks, ask, request_record
+from tests.vllm.hooks import Blocks, ask, request_record, small_pool_sched
 
 BS, BPC = 16, 4
 CT = BS * BPC
@@ -34,27 +31,10 @@ SLOTS, USERS, ROUNDS = 16, 6, 4
 HISTORY = 5 * CT + 20  # about 6 chunks a conversation: 36 for all users, 16 slots
 
 
-@pytest.fixture
-def export() -> Iterator[m.StatsBatch]:
-    batch = m.enable_export()
-    batch.drain()
-    try:
-        yield batch
-    finally:
-        m.disable_export()
-
 
 @pytest.fixture
 def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
-    cfg = KVTierConfig.model_validate({
-        "chunk_tokens": CT,
-        "tiers": [{"host": {"capacity": SLOTS * GEOM.chunk_bytes(CT), "pinned": "no"}},
-                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "back"}}],
-        "restore": {"recompute_threshold_tokens": 1},
-        "idle_flush_seconds": 0, "max_dirty_seconds": 0, "partial_tails": False,
-    })
-    s = SchedulerSide(cfg, GEOM, NS, None, store=build_store(cfg, GEOM.chunk_bytes(CT)),
-                      clock=ManualClock())
+    s = small_pool_sched(tmp_path, GEOM, NS, CT, SLOTS)
     yield s
     s.close()
 
