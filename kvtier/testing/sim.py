@@ -61,10 +61,13 @@ SHAPES = {
 }
 
 
-def token_hashes(tokens: Sequence[int], salt: bytes = b"") -> np.ndarray:
+def token_hashes(tokens: Sequence[int], salt: bytes = b"",
+                 after: int | None = None) -> np.ndarray:
     """``h[p]``: a 64-bit hash of ``salt`` and ``tokens[: p + 1]`` (what token ``p``'s KV
-    depends on), for every position."""
-    h = int.from_bytes(hashlib.blake2b(salt, digest_size=8).digest(), "little")
+    depends on), for every position; ``after``: the hash of the positions before
+    ``tokens`` (the chain goes on from it)."""
+    h = (int.from_bytes(hashlib.blake2b(salt, digest_size=8).digest(), "little")
+         if after is None else after)
     out = np.empty(len(tokens), dtype=np.uint64)
     mask = (1 << 64) - 1
     for p, t in enumerate(tokens):
@@ -93,8 +96,13 @@ class SimRequest:
     hashes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
 
     def hashes_for(self, tokens: Sequence[int]) -> np.ndarray:
-        if len(self.hashes) < len(tokens):
-            self.hashes = token_hashes(tokens, self.salt)
+        """The hashes of at least ``tokens`` (the request's, which only grow), extended
+        by the new positions only."""
+        have = len(self.hashes)
+        if have < len(tokens):
+            more = token_hashes(tokens[have:], self.salt,
+                                int(self.hashes[-1]) if have else None)
+            self.hashes = np.concatenate([self.hashes, more])
         return self.hashes
 
 
@@ -108,7 +116,7 @@ class SimWorld:
     def __init__(self, root: Path, shape: Shape, kvtier_doc: dict[str, Any], *,
                  tp: int = 1, num_blocks: int = 96, block_size: int = 16,
                  max_num_seqs: int = 8, max_batched_tokens: int = 256,
-                 max_model_len: int = 2048, seed: int = 0) -> None:
+                 max_model_len: int = 2048) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -118,7 +126,6 @@ class SimWorld:
         self.shape = shape
         self.tp = tp
         self.bs = block_size
-        self.rng = np.random.default_rng(seed)
         self.clock = ManualClock()
         root.mkdir(parents=True, exist_ok=True)
         cfg_path = root / "kvtier.json"
@@ -131,7 +138,6 @@ class SimWorld:
                                         engine_id=self.engine_id)
         self.kv_cache_config = _kv_cache_config(shape, num_blocks, block_size, tp)
         self.group_names = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
-        self.windows = [_window_of(g) for g in shape.groups]
         self.width = [HEADS * tp * 2 * HEAD_SIZE if g != "mla" else HEAD_SIZE * 2
                       for g in shape.groups]
         #: every rank's KV caches (what its worker connector registered), by rank
@@ -288,7 +294,6 @@ class SimWorld:
             fwd = SimpleNamespace(attn_metadata=None)
             if out.has_sync_kv_loads:
                 conn.start_load_kv(fwd)
-                conn.wait_for_save_loads = True
             self._compute(conn, out)
             if not out.has_sync_kv_loads:
                 conn.start_load_kv(fwd)

@@ -75,7 +75,7 @@ def run_seed(root: Path, seed: int, shape: str = "full", *, tp: int = 1,
     world = SimWorld(root, SHAPES[shape], doc,
                      tp=tp, num_blocks=blocks * groups,
                      max_num_seqs=rng.choice([4, 8]),
-                     max_batched_tokens=rng.choice([128, 256]), seed=seed)
+                     max_batched_tokens=rng.choice([128, 256]))
     report = SimReport(seed, shape, tp)
     try:
         _play(world, rng, report, arrivals, faults, max_len=blocks * world.bs * 2 // 3)
