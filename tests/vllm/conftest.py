@@ -8,11 +8,13 @@ what the restart and isolation tests rely on.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
@@ -106,3 +108,12 @@ def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield make
     for w in started:
         w.close()
+
+
+def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:
+    """vLLM refuses while blocks are held (kvtier's delayed free): retry until it takes."""
+    deadline = time.monotonic() + timeout_s
+    while not client.post(url + "/reset_prefix_cache",
+                          params={"reset_external": "true"}).json()["success"]:
+        assert time.monotonic() < deadline, "the prefix cache never reset"
+        time.sleep(0.2)  # polling another process, not driving test time

@@ -27,7 +27,7 @@ from kvtier.testing.engines import tokens
 from kvtier.testing.servers import APIServer, free_port
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
-from tests.vllm.conftest import write_config
+from tests.vllm.conftest import reset_caches, write_config
 
 pytestmark = pytest.mark.vllm
 
@@ -120,14 +120,6 @@ def complete(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any
     assert r.status_code == 200, r.text
     params: dict[str, Any] = r.json()["kv_transfer_params"]["kvtier"]
     return params
-
-
-def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not client.post(url + "/reset_prefix_cache",
-                          params={"reset_external": "true"}).json()["success"]:
-        assert time.monotonic() < deadline, "the prefix cache never reset"
-        time.sleep(0.2)  # polling another process, not driving test time
 
 
 def test_cpu_then_storage_then_eviction_and_expiry_on_vllms_stream(

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.testing.engines import tokens
 from kvtier.testing.servers import APIServer
 from kvtier.vllm.settings import kv_transfer_config
-from tests.vllm.conftest import write_config
+from tests.vllm.conftest import reset_caches, write_config
 
 pytestmark = pytest.mark.vllm
 
@@ -70,15 +70,6 @@ def complete(client: httpx.Client, url: str) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     params: dict[str, Any] = r.json()["kv_transfer_params"]["kvtier"]
     return params
-
-
-def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:
-    """vLLM refuses while blocks are held (kvtier's delayed free): retry until it takes."""
-    deadline = time.monotonic() + timeout_s
-    while not client.post(url + "/reset_prefix_cache",
-                          params={"reset_external": "true"}).json()["success"]:
-        assert time.monotonic() < deadline, "the prefix cache never reset"
-        time.sleep(0.2)  # polling another process, not driving test time
 
 
 def wait_for(client: httpx.Client, url: str, name: str, value: float,
