@@ -1,7 +1,7 @@
 """Restore or recompute? The per-request decision behind ``recompute_threshold_tokens: auto``.
 
 Restoring chunk ``i`` from tier ``T`` costs a read into a host slot (on an IO thread, one
-chunk after another: ``TieredStore._promote`` reads a request's chunks sequentially) plus
+chunk after another: ``TieredStore._read_entries`` reads a request's chunks sequentially) plus
 the host-to-KV copy in the next step; a host hit costs only the copy. So the estimate is
 per chunk, ``read_T(chunk_bytes) + copy(chunk_bytes)``, where each tier's read time is
 ``scale * (latency + nbytes / bandwidth)``: ``latency`` and ``bandwidth`` come from a startup

@@ -132,7 +132,7 @@ def test_collection_is_its_own_job_and_never_times_a_write(two: Any) -> None:
     store, a, _, _ = two
     a.hang_collect = True
     k = make_key(5)
-    fut = store._queue_write(*_host_slot(store, k), [a], cleans=False, kind="write_through")
+    fut = store._queue_write(*_host_slot(store, k), [a], kind="write_through")
     assert fut is not None and fut.result(timeout=10) is True  # the put is done
     assert a.entered.acquire(timeout=10)  # collection runs after it, in its own job
     assert store.breakers[0].up

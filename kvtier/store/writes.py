@@ -1,0 +1,199 @@
+"""``Writes``: filling host slots, and the write-through fan-out.
+
+``put``, or ``reserve(key)`` then ``commit(slot, meta)`` / ``abort(slot)``, is the one
+way into the host tier: a slot is reserved for a key and gets its meta when committed,
+and the caller never waits on storage. A commit queues the chunk to each write-through
+tier at once (``_queue_write``, one job per tier's IO pool); with write-back tiers the
+chunk is *dirty* until one of them holds it (``WriteBack``), and every reservation and
+commit checks the low-water mark (``_spill_if_needed``).
+
+Threads and locks: ``StoreState``. Everything here is memory only on the calling thread
+(vLLM's scheduler thread): the writes below run as jobs on IO threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from kvtier.iopool import IOPool
+from kvtier.keys import ChunkKey
+from kvtier.objformat import ChunkMeta
+from kvtier.store.writeback import WriteBack
+from kvtier.tiers.base import Tier
+
+#: Re-offered keys remembered (``rewrite_through(min_age_s=...)``).
+OFFERED_MAX = 65536
+
+
+class Writes(WriteBack):
+    def put(self, meta: ChunkMeta, payload: Any) -> bool:
+        """Copy one chunk into the host tier. False if it was present or had to be dropped."""
+        self.host.check_fits(meta)
+        r = self.host.reserve(meta.key)
+        if r is None:
+            if not self.host.index.contains(meta.key):
+                self._count_drop("host_full")
+            return False
+        try:
+            src = np.frombuffer(payload, dtype=np.uint8, count=meta.payload_len)
+            np.copyto(self.host.view(r.slot, meta.payload_len), src)
+        except BaseException:
+            self.host.abort(r.slot)
+            raise
+        self.commit(r.slot, meta)
+        return True
+
+    def reserve(self, key: ChunkKey, *, backup: bool = False) -> int | None:
+        """A host slot to fill with ``key``'s chunk (then ``commit`` with its meta, or
+        ``abort``); None if the chunk is already there (or being written, unless
+        ``backup``) or every slot is held or dirty: the caller copies nothing. A backup is
+        a second slot for a chunk someone else is writing, for a caller that must not
+        depend on that other write: the first commit is published, the other is freed.
+        Memory only."""
+        r = self.host.reserve(key, backup=backup)
+        if self._back:
+            self._spill_if_needed()  # a save took a slot (or found none): keep ahead
+        return None if r is None else r.slot
+
+    def holds(self, key: ChunkKey) -> bool:
+        """The host tier holds ``key`` or is writing it (another request's save in
+        flight). Memory only."""
+        return self.host.index.contains(key) or self.host.index.pending(key)
+
+    def saving(self, key: ChunkKey) -> int:
+        """How many saves are writing ``key`` into a host slot, not published yet (0: none;
+        2: a save and its backup, the most there are). Memory only."""
+        return self.host.index.writers(key)
+
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop ``keys`` from the host tier where present and unheld, dirty or not, never
+        writing them below: chunks a longer save supersedes (a partial tail whose bytes
+        a whole chunk or a longer tail repeats). Returns how many were dropped. Memory
+        only."""
+        return self.host.delete(keys)
+
+    def abort(self, slot: int) -> None:
+        """Give back a reserved slot whose copy failed; nothing is published."""
+        self.host.abort(slot)
+
+    def commit(self, slot: int, meta: ChunkMeta) -> bool:
+        """Publish a slot filled after ``reserve(meta.key)``; queue its lower-tier writes.
+        False if another reservation of the key was published first (a backup that lost:
+        its slot is freed, nothing is queued)."""
+        if not self.host.commit(slot, meta, dirty=bool(self._back)):
+            return False  # the caller may rewrite_through([meta.key]) if it announced it
+        self.host.metrics.wrote(meta.payload_len)
+        if self._through:
+            self._mark_offered([meta.key])  # a write counts as an offer (rewrite_through)
+        for tier in self._through:
+            self._queue_write(slot, meta, [tier], kind="write_through")
+        if self._back:
+            self._spill_if_needed()
+        return True
+
+    def rewrite_through(self, keys: Sequence[ChunkKey], min_age_s: float = 0.0) -> int:
+        """Offer host-resident ``keys`` to every write-through tier again, as one queued job;
+        returns how many were host-resident when queued (0 if the job was dropped).
+
+        For a node that announces chunks to another node (P/D): the host tier can outlive
+        a shared tier's copy (another node's collector removed it past its lease, which
+        this node's index cannot see). Each tier's CREATE put asks the tier itself first,
+        so what is still there costs one existence check and no write. One job, not one
+        per chunk, so a long prompt cannot fill the store queue and crowd out new chunks.
+        """
+        now = self.host.clock.monotonic()
+        with self._lock:
+            fresh = {k for k in keys
+                     if k in self._offered and now - self._offered[k] < min_age_s}
+        held = [k for k in keys if self.host.index.contains(k)]
+        todo = [k for k in held if k not in fresh]
+        if not self._through or not held:
+            return 0
+        if not todo:
+            return len(held)  # each offered within min_age_s: nothing to ask again
+        self._mark_offered(todo)
+
+        def job(tier: Tier) -> None:
+            for key in todo:
+                got = self.host.index.hold(key)
+                if got is None:
+                    continue  # evicted since
+                slot, meta = got
+                try:
+                    self._write_slot(slot, meta, [tier], "reoffer")
+                finally:
+                    self.host.release(slot)
+
+        queued = [self._submit(partial(job, t), "reoffer", self._pool_of(t))
+                  for t in self._through]
+        return len(held) if all(f is not None for f in queued) else 0
+
+    def _mark_offered(self, keys: Sequence[ChunkKey]) -> None:
+        now = self.host.clock.monotonic()
+        with self._lock:
+            for k in keys:
+                self._offered[k] = now
+                self._offered.move_to_end(k)
+            while len(self._offered) > OFFERED_MAX:
+                self._offered.popitem(last=False)
+
+    def _queue_write(
+        self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], *, kind: str,
+    ) -> Future[Any] | None:
+        """Queue a write of the committed chunk in host ``slot`` to ``tiers``, one job per
+        tier's IO pool, each holding the slot until it is done; the result is True if
+        every tier holds the chunk (a write-through: compare ``_queue_write_back``, where
+        one tier holding it is enough).
+
+        ``None`` if the chunk was evicted first or no job could be queued (counted; the
+        chunk is as it was: a full queue is not a failed write)."""
+        if self.host.index.hold(meta.key) is None:
+            return None  # evicted before we got to it
+        groups: dict[int, tuple[IOPool, list[Tier]]] = {}
+        for tier in tiers:
+            pool = self._pool_of(tier)
+            groups.setdefault(id(pool), (pool, []))[1].append(tier)
+        for _ in range(len(groups) - 1):  # one hold per job; ours keeps the key in slot
+            self.host.index.hold(meta.key)
+        parts: list[Future[Any]] = []
+        for pool, group in groups.values():
+
+            def job(group: list[Tier] = group) -> bool:
+                try:
+                    return self._write_slot(slot, meta, group, kind)
+                finally:
+                    self.host.release(slot)
+
+            fut = self._submit(job, kind, pool)
+            if fut is None:
+                self.host.release(slot)
+            else:
+                parts.append(fut)
+        if not parts:
+            return None
+        whole: Future[Any] = Future()
+        whole.set_running_or_notify_cancel()
+        missing = len(parts) < len(groups)
+        left = len(parts)
+
+        def part_done(_: Future[Any]) -> None:
+            nonlocal left
+            with self._lock:
+                left -= 1
+                if left:
+                    return
+            ok = not missing and all(
+                not f.cancelled() and f.exception() is None and bool(f.result())
+                for f in parts)
+            whole.set_result(ok)
+
+        self._inflight.add(whole)
+        whole.add_done_callback(self._inflight.discard)
+        for f in parts:
+            f.add_done_callback(part_done)
+        return whole
