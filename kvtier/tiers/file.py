@@ -24,7 +24,8 @@ Invariants, chosen to hold on NFS with several writers:
 * A page of the walk is one leaf directory ``kv/xx/yy`` (then the files directly in
   ``kv/``: probes), so a page costs about objects / 65,536 ``stat`` calls; the leaves of
   a top-level directory are read once per pass, when the walk enters it, and carried in
-  the cursor. A page lists objects with their mtimes (exact) and refreshes what the tier
+  the cursor (such a page is not ``fresh``: the walk spares what was recorded since that
+  read). A page lists objects with their mtimes (exact) and refreshes what the tier
   knows of the temp files in the leaves it covers. ``check_listing`` reads one entry of
   ``kv/``: all the constructor lists.
 * A victim is re-stated before its unlink (``heads``), but the unlink itself is
@@ -258,6 +259,7 @@ class FileTransport:
             self._top_files()
             return Page([], 1, 0, None)
         shard = leaf >> 8
+        fresh = subs is None
         if subs is None:
             subs = self._leaves_of(shard, leaf & 0xFF)
         found: list[Listed] = []
@@ -275,7 +277,7 @@ class FileTransport:
         last = ((shard << 8) | int(rest[0], 16)) - 1 if rest else (shard << 8) | 0xFF
         self.temps.reset(leaf, last, temps)
         nxt: _Cursor = (last + 1, rest or None)
-        return Page(found, leaf << _LEAF_SHIFT, ((last + 1) << _LEAF_SHIFT) - 1, nxt)
+        return Page(found, leaf << _LEAF_SHIFT, ((last + 1) << _LEAF_SHIFT) - 1, nxt, fresh)
 
     def _leaves_of(self, shard: int, first: int) -> tuple[str, ...]:
         """The leaf directories of top-level directory ``shard``, from ``first`` on."""

@@ -17,8 +17,12 @@ Invariants:
   work), so it is batched: consecutive pages accumulate one key range, swept once
   ``SWEEP_OBJECTS`` were listed, at the end of a pass, and at the end of every tick. An
   entry in the swept range that none of its pages listed is dropped unless it was
-  recorded after the sweep's first page was listed (its version is newer than the mark
-  taken then): a put or probe racing the listing is never lost.
+  recorded after the listing that fixed the extent of a page it covers (its version is
+  newer than the mark taken then): a put or probe racing the listing is never lost. A
+  page that is not ``fresh`` got its extent from an earlier page's listing, carried in
+  the cursor (a file tier reads a top-level directory's leaves once, when it enters it,
+  maybe ticks before): its mark is the one taken before that earlier listing, so a put
+  into a leaf created after it, which the page's range covers but did not list, stays.
 * Not thread-safe: one caller at a time (``ObjectTier`` holds its collection lock). It
   does I/O (the listing) and never holds the index lock across it.
 """
@@ -68,8 +72,14 @@ class PassStats:
     objects: int  # objects listed
 
 
+def _older(a: int, b: int) -> bool:
+    """Mark ``a`` was taken before mark ``b`` (modulo 2**32, as ``changed_since``)."""
+    return 0 < ((b - a) & 0xFFFFFFFF) < (1 << 31)
+
+
 class _Sweep:
-    """Pages listed since ``mark``, covering ``[lo, hi]``, and the keys they listed."""
+    """Pages whose extents were listed after ``mark``, covering ``[lo, hi]``, and the
+    keys they listed."""
 
     def __init__(self, mark: int) -> None:
         self.mark = mark
@@ -77,10 +87,14 @@ class _Sweep:
         self.hi = -1
         self.keys: set[ChunkKey] = set()
 
-    def add(self, page: Page) -> None:
+    def add(self, page: Page, extent_mark: int) -> None:
+        """``extent_mark``: the index mark taken before the listing that fixed the page's
+        extent (before this page's own listing if it is ``fresh``)."""
         if page.lo <= page.hi:  # an empty range (the top-files page) covers nothing
             self.lo = page.lo if self.lo is None else self.lo
             self.hi = page.hi
+        if _older(extent_mark, self.mark):
+            self.mark = extent_mark
         self.keys.update(obj.key for obj in page.objects)
 
 
@@ -95,6 +109,9 @@ class Walk:
         self._on_fault = on_fault
         self._name = name
         self._cursor: object | None = None  # the next page
+        #: The index mark taken before the listing that fixed the cursor's extent (a
+        #: fresh page's own listing; carried while pages are not fresh).
+        self._extent_mark: int | None = None
         #: Full passes completed (tests, benchmarks).
         self.passes = 0
         #: The last completed pass (None before the first).
@@ -105,6 +122,7 @@ class Walk:
     def restart(self) -> None:
         """The next tick starts a pass from the first page."""
         self._cursor = None
+        self._extent_mark = None
         self._ticks = self._objects = 0
         self._seconds = 0.0
 
@@ -118,13 +136,16 @@ class Walk:
         self._ticks += 1
         try:
             while True:
+                mark = self._index.mark()
                 try:
                     page = self._transport.page(self._cursor)
                 except self._transport.faults as e:
                     self._on_fault(op, e)
                     return
+                if page.fresh or self._extent_mark is None:
+                    self._extent_mark = mark
                 self._take(page)
-                sweep.add(page)
+                sweep.add(page, self._extent_mark)
                 self._cursor = page.next
                 listed += len(page.objects)
                 self._objects += len(page.objects)

@@ -152,3 +152,25 @@ def test_tick_budgets_are_validated() -> None:
         TickBudget(0, 1.0)
     with pytest.raises(ValueError, match="tick seconds"):
         TickBudget(1, 0.0)
+
+
+def test_a_put_into_a_leaf_created_after_its_top_directory_was_read_survives_the_sweep(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A top-level directory's leaves are read once, by the tick that enters it, and
+    carried to later ticks: a leaf created after that read lies in a later page's range
+    without being listed. What this node recorded there since the read must not be swept
+    (issue 32 review item 9)."""
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick=TickBudget(1, 3600.0))
+    first, second = leaf_key(7, 1), leaf_key(7, 5)
+    for key in (first, second):
+        _put(tier, key)
+    tier.expire(1e9)  # empty top directories, then leaf 07/01: its one object ends the tick
+    assert tier.passes == 0 and tier.indexed(first)
+    late = leaf_key(7, 8)  # a new leaf, after the one the cursor carries (07/05)
+    _put(tier, late)
+    while tier.passes == 0:
+        tier.expire(1e9)  # leaf 07/05's page covers 07/05..07/ff, listing only 07/05
+    assert tier.indexed(late) and tier.indexed(first) and tier.indexed(second)
+    tier.expire(1e9)
+    assert tier.indexed(late)  # the next pass lists the new leaf itself
