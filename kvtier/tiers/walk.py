@@ -12,7 +12,9 @@ Invariants:
   whatever its caller does with that page). The next tick resumes at the next page, so a
   pass takes about ``pass cost / seconds`` ticks: ``last_pass`` says how many it took.
 * **Reconciliation.** Each page's objects are taken at once: objects other nodes wrote
-  are added, sizes and (exact listings) newer stamps taken. Dropping entries the store no
+  are added, sizes and (exact listings) newer stamps taken; added and re-stamped entries
+  take their place in the eviction order by that stamp at the tick's end (never at the
+  hot end whatever their age). Dropping entries the store no
   longer has is a sweep over the index (``CompactIndex.in_range``, O(entries) numpy
   work), so it is batched: consecutive pages accumulate one key range, swept once
   ``SWEEP_OBJECTS`` were listed, at the end of a pass, and at the end of every tick. An
@@ -162,19 +164,22 @@ class Walk:
                     return
         finally:
             self._sweep(sweep)
+            self._index.link_placed()
             self._seconds += self._clock.monotonic() - start
 
     def _take(self, page: Page) -> None:
-        """Objects other nodes wrote, newer stamps (exact listings), sizes."""
+        """Objects other nodes wrote, newer stamps (exact listings), sizes: placed by
+        their recency (``CompactIndex.link_placed`` at the tick's end), never simply at
+        the hot end."""
         exact = self._transport.exact_listing
         index = self._index
         for obj in page.objects:
             e = index.get(obj.key)
             if e is None:
-                index.remember(obj.key, obj.size, obj.used)
+                index.remember_placed(obj.key, obj.size, obj.used)
             elif (exact and obj.used > e.last_used + 1e-3) or obj.size != e.size:
-                index.replace_if(obj.key, e, obj.size,
-                                 max(obj.used, e.last_used) if exact else e.last_used)
+                index.remember_placed(obj.key, obj.size,
+                                      max(obj.used, e.last_used) if exact else e.last_used, e)
 
     def _sweep(self, sweep: _Sweep) -> None:
         """Drop entries of the swept range its pages did not list (unless recorded since
