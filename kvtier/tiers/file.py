@@ -28,9 +28,16 @@ Invariants, chosen to hold on NFS with several writers:
   read). A page lists objects with their mtimes (exact) and refreshes what the tier
   knows of the temp files in the leaves it covers. ``check_listing`` reads one entry of
   ``kv/``: all the constructor lists.
-* A victim is re-stated before its unlink (``heads``), but the unlink itself is
-  unconditional: NFS has no conditional unlink. A corrupt object is removed only if it is
-  still the inode (and mtime) that was read.
+* A delete of a version (collection, expiry, a corrupt object) is conditional on what
+  its stat saw, without a conditional unlink (NFS has none): the object is renamed to a
+  graveyard name in its own directory (atomic; from then on nobody can renew it under its
+  name), re-stated there, and unlinked only if it is still that inode and mtime; else it
+  is linked back under its name (never over an object published there meanwhile, which
+  wins) and kept. A renewal (``utime``) that returned before the rename is seen by the
+  re-stat and survives; one that comes after it finds no file and says so (``renew`` is
+  False). The re-stat is as fresh as the client's attributes after a lookup of a new
+  name (NFS close-to-open revalidates them). A collector killed between the rename and
+  the unlink leaves a ``.del.tmp`` file that the temp sweep removes.
 * Any thread may call any method; the data-path methods never raise on I/O faults.
 """
 
@@ -67,6 +74,9 @@ log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+#: A victim between its rename and its unlink: a temp name (listings skip it; the temp
+#: sweep removes one a dead collector left behind, by its old mtime).
+_GRAVE_SUFFIX = ".del" + _TMP_SUFFIX
 _LEAVES = 256 * 256  # leaf directories xx/yy; the page after them: files in kv/ (probes)
 _LEAF_SHIFT = 112  # a leaf's keys, as numbers: [leaf << 112, (leaf + 1) << 112)
 _HEX2 = frozenset(f"{i:02x}" for i in range(256))
@@ -157,17 +167,35 @@ class FileTransport:
         return size
 
     def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
-            if (st.st_ino, st.st_mtime_ns) != version:
-                return Outcome.KEPT  # replaced since it was read
-            os.unlink(path)
-        except FileNotFoundError:
-            return Outcome.GONE
+            return self._remove_if(self.path_of(key), version)
         except OSError as e:
             return e
-        return Outcome.DELETED
+
+    def _remove_if(self, path: Path, version: Version) -> Outcome:
+        """Unlink ``path`` only while it is still ``version`` (inode, mtime in ns): rename
+        it to a graveyard name in its directory, re-stat it there, then unlink it or link
+        it back (see the module invariants). Raises ``OSError`` on faults; a fault after
+        the rename puts the object back first where it can."""
+        grave = path.with_name(f".{path.name}.{self.tag}.{secrets.token_hex(4)}{_GRAVE_SUFFIX}")
+        try:
+            os.rename(path, grave)
+        except FileNotFoundError:
+            return Outcome.GONE  # another node's collector was first
+        try:
+            st = os.lstat(grave)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.link(grave, path, follow_symlinks=False)
+            with contextlib.suppress(OSError):
+                os.unlink(grave)
+            raise
+        changed = (st.st_ino, st.st_mtime_ns) != version
+        if changed:  # renewed or replaced since its stat: back under its name
+            with contextlib.suppress(FileExistsError):  # published again meanwhile: it wins
+                os.link(grave, path, follow_symlinks=False)
+        os.unlink(grave)
+        return Outcome.KEPT if changed else Outcome.DELETED
 
     def write(self, key: ChunkKey, header: memoryview, body: memoryview, *, create: bool,
               now: float) -> float:
@@ -228,9 +256,12 @@ class FileTransport:
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         outcomes: dict[ChunkKey, Outcome] = {}
         fault: Exception | None = None
-        for key, _ in victims:
+        for key, st in victims:
             path = self.path_of(key)
             try:
+                if st is not None:
+                    outcomes[key] = self._remove_if(path, st.version)
+                    continue
                 os.unlink(path)
                 outcomes[key] = Outcome.DELETED
             except FileNotFoundError:  # another node's collector was first
