@@ -129,7 +129,7 @@ class S3Transport:
         return None if head is None else _stat(head)
 
     def heads(self, keys: Sequence[ChunkKey]) -> list[Stat | None]:
-        return self.io.parallel(self.head, keys)
+        return self.io.parallel(self.head, keys, background=True)  # collection, expiry
 
     def read(self, key: ChunkKey, head: memoryview, body: memoryview,
              plan: int) -> tuple[int, Version]:
