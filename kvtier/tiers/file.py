@@ -18,6 +18,10 @@ Invariants, chosen to hold on NFS with several writers:
   same plus x where r is set (0600 -> 0700), whatever the umask. Reads never follow a
   symlink nor block on a FIFO or device: anything but a regular file named like an object
   is a miss, counted as corrupt and removed; scans skip such entries and symlinked dirs.
+  No operation on an object goes through a symlinked directory either: each reaches the
+  object's leaf one level at a time (``kv``, ``xx``, ``yy``: ``O_DIRECTORY | O_NOFOLLOW``
+  relative to the last) and works there by ``dir_fd``; a symlinked level is counted,
+  removed, and the key is a miss (``root`` itself may be reached through symlinks).
 * No ``flock``, no ``atime``: recency is the file's mtime, set explicitly with ``utime`` on
   a hit (at most once per ``touch_interval``). Every node sees it, so LRU collection is
   correct for the shared directory. Leases: the mtime is also the lease start.
@@ -44,12 +48,13 @@ Invariants, chosen to hold on NFS with several writers:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import socket
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
@@ -110,40 +115,85 @@ class FileTransport:
     def describe(self, key: ChunkKey) -> str:
         return str(self.path_of(key))
 
-    def _remove_foreign(self, path: Path) -> None:
+    @contextlib.contextmanager
+    def _leaf(self, key: ChunkKey, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """The object's leaf directory, opened one level at a time (``kv``, ``xx``, ``yy``)
+        relative to the last and never through a symlink, and the object's name in it.
+        Raises ``FileNotFoundError`` if a level is missing (``create``: made, exact mode)
+        or is a symlink (counted, logged and removed, so the key can be stored again: a
+        symlinked directory is never kvtier's), ``OSError`` on faults. ``root`` itself
+        may be reached through symlinks: it is the configured path."""
+        h = key.hex()
+        fd = self._open_level(None, str(self.dir), create)
+        try:
+            for name in (h[0:2], h[2:4]):
+                nxt = self._open_level(fd, name, create)
+                os.close(fd)
+                fd = nxt
+            yield fd, f"{h}{_SUFFIX}"
+        finally:
+            os.close(fd)
+
+    def _open_level(self, parent: int | None, name: str, create: bool) -> int:
+        try:
+            return fsutil.open_dir(name, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+            fsutil.make_dir(name, self.dir_mode, dir_fd=parent)
+            return fsutil.open_dir(name, dir_fd=parent)
+        except fsutil.NotRegular:
+            self._metrics.corrupt()
+            where = name if parent is None else f"{self.dir}/.../{name}"
+            log.warning("%s is not a directory (a symlink?): never followed, removing it",
+                        where)
+            with contextlib.suppress(OSError):
+                if stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
+                    os.unlink(name, dir_fd=parent)
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, "not a directory of this tier",
+                                        name) from None
+            fsutil.make_dir(name, self.dir_mode, dir_fd=parent)
+            return fsutil.open_dir(name, dir_fd=parent)
+
+    def _remove_foreign(self, key: ChunkKey) -> None:
         """Something not a regular file (symlink, FIFO, device) is named like an object:
         never kvtier's and never read. Count it and remove it (unless it is a directory
         or has become a regular file), so the key can be stored again."""
         self._metrics.corrupt()
-        log.warning("%s is not a regular file: a miss, removing it", path)
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
+        log.warning("%s is not a regular file: a miss, removing it", self.path_of(key))
+        with contextlib.suppress(OSError), self._leaf(key) as (d, name):
+            st = os.lstat(name, dir_fd=d)
             if not fsutil.is_regular(st) and not stat.S_ISDIR(st.st_mode):
-                os.unlink(path)
+                os.unlink(name, dir_fd=d)
 
     def head(self, key: ChunkKey) -> Stat | None:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
+            with self._leaf(key) as (d, name):
+                st = os.lstat(name, dir_fd=d)
         except FileNotFoundError:
             return None
         if not fsutil.is_regular(st):
-            self._remove_foreign(path)
+            self._remove_foreign(key)
             return None
         return Stat(st.st_size, st.st_mtime, (st.st_ino, st.st_mtime_ns))
 
     def heads(self, keys: Sequence[ChunkKey]) -> list[Stat | None]:
         return [self.head(key) for key in keys]
 
+    def _open(self, key: ChunkKey) -> int:
+        """A descriptor of the object's regular file (``open_regular`` in its leaf)."""
+        with self._leaf(key) as (d, name):
+            return fsutil.open_regular(name, dir_fd=d)
+
     def read(self, key: ChunkKey, head: memoryview, body: memoryview,
              plan: int) -> tuple[int, Version]:
-        path = self.path_of(key)
         try:
-            fd = fsutil.open_regular(path)
+            fd = self._open(key)
         except FileNotFoundError:
             raise Missing from None
         except fsutil.NotRegular:
-            self._remove_foreign(path)
+            self._remove_foreign(key)
             raise Missing from None
         try:
             st = os.fstat(fd)
@@ -156,7 +206,7 @@ class FileTransport:
 
     def read_header(self, key: ChunkKey, head: memoryview) -> int | None:
         try:
-            fd = fsutil.open_regular(self.path_of(key))
+            fd = self._open(key)
         except OSError:
             return None
         try:
@@ -168,86 +218,81 @@ class FileTransport:
 
     def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
         try:
-            return self._remove_if(self.path_of(key), version)
+            return self._remove_if(key, version)
         except OSError as e:
             return e
 
-    def _remove_if(self, path: Path, version: Version) -> Outcome:
-        """Unlink ``path`` only while it is still ``version`` (inode, mtime in ns): rename
-        it to a graveyard name in its directory, re-stat it there, then unlink it or link
-        it back (see the module invariants). Raises ``OSError`` on faults; a fault after
-        the rename puts the object back first where it can."""
-        grave = path.with_name(f".{path.name}.{self.tag}.{secrets.token_hex(4)}{_GRAVE_SUFFIX}")
+    def _remove_if(self, key: ChunkKey, version: Version) -> Outcome:
+        """Unlink the object only while it is still ``version`` (inode, mtime in ns):
+        rename it to a graveyard name in its directory, re-stat it there, then unlink it
+        or link it back (see the module invariants). Raises ``OSError`` on faults; a fault
+        after the rename puts the object back first where it can."""
         try:
-            os.rename(path, grave)
+            with self._leaf(key) as (d, name):
+                return self._remove_in(d, name, version)
         except FileNotFoundError:
             return Outcome.GONE  # another node's collector was first
+
+    def _remove_in(self, d: int, name: str, version: Version) -> Outcome:
+        grave = f".{name}.{self.tag}.{secrets.token_hex(4)}{_GRAVE_SUFFIX}"
+        os.rename(name, grave, src_dir_fd=d, dst_dir_fd=d)
         try:
-            st = os.lstat(grave)
+            st = os.lstat(grave, dir_fd=d)
         except OSError:
             with contextlib.suppress(OSError):
-                os.link(grave, path, follow_symlinks=False)
+                os.link(grave, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
             with contextlib.suppress(OSError):
-                os.unlink(grave)
+                os.unlink(grave, dir_fd=d)
             raise
         changed = (st.st_ino, st.st_mtime_ns) != version
         if changed:  # renewed or replaced since its stat: back under its name
             with contextlib.suppress(FileExistsError):  # published again meanwhile: it wins
-                os.link(grave, path, follow_symlinks=False)
-        os.unlink(grave)
+                os.link(grave, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+        os.unlink(grave, dir_fd=d)
         return Outcome.KEPT if changed else Outcome.DELETED
 
     def write(self, key: ChunkKey, header: memoryview, body: memoryview, *, create: bool,
               now: float) -> float:
-        path = self.path_of(key)
-        tmp = path.with_name(f".{path.name}.{self.tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
-        try:
-            fd = self._create_temp(tmp)
+        with self._leaf(key, create=True) as (d, name):
+            tmp = f".{name}.{self.tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             try:
-                fsutil.write_all(fd, [header, body])
-                st = os.fstat(fd)
-                fsutil.set_mode(fd, st, self.mode)  # before it is published: umask aside
-                if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
-                    now = st.st_mtime
-                else:  # an injected clock: recency must follow it
-                    os.utime(fd, (now, now))
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if create:
+                fd = os.open(tmp, fsutil.CREATE_FLAGS, self.mode, dir_fd=d)
                 try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise Exists from None
-            else:
-                os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                    fsutil.write_all(fd, [header, body])
+                    st = os.fstat(fd)
+                    fsutil.set_mode(fd, st, self.mode)  # before it is published: umask aside
+                    if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
+                        now = st.st_mtime
+                    else:  # an injected clock: recency must follow it
+                        os.utime(fd, (now, now))
+                    if self._fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if create:
+                    try:
+                        os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                    except FileExistsError:
+                        raise Exists from None
+                else:
+                    os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=d)
         return now
 
-    def _create_temp(self, tmp: Path) -> int:
-        """Open a new temp file; its directories are created (each level, exact mode)
-        only when missing, so a put costs no extra metadata call otherwise."""
-        try:
-            return os.open(tmp, fsutil.CREATE_FLAGS, self.mode)
-        except FileNotFoundError:
-            for d in (self.dir, tmp.parent.parent, tmp.parent):
-                fsutil.make_dir(d, self.dir_mode)
-            return os.open(tmp, fsutil.CREATE_FLAGS, self.mode)
-
     def touch(self, key: ChunkKey, now: float) -> None:
-        with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
-            os.utime(self.path_of(key), (now, now), follow_symlinks=False)
+        with contextlib.suppress(OSError), self._leaf(key) as (d, name):
+            # deleted meanwhile: the next lookup notices
+            os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
 
     def stamp(self, key: ChunkKey, now: float) -> Stat | None:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
-            if not fsutil.is_regular(st):
-                return None
-            os.utime(path, (now, now), follow_symlinks=False)
+            with self._leaf(key) as (d, name):
+                st = os.lstat(name, dir_fd=d)
+                if not fsutil.is_regular(st):
+                    return None
+                os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
         except FileNotFoundError:
             return None
         return Stat(st.st_size, now, (st.st_ino, int(now * 1e9)))
@@ -257,17 +302,17 @@ class FileTransport:
         outcomes: dict[ChunkKey, Outcome] = {}
         fault: Exception | None = None
         for key, st in victims:
-            path = self.path_of(key)
             try:
                 if st is not None:
-                    outcomes[key] = self._remove_if(path, st.version)
+                    outcomes[key] = self._remove_if(key, st.version)
                     continue
-                os.unlink(path)
+                with self._leaf(key) as (d, name):
+                    os.unlink(name, dir_fd=d)
                 outcomes[key] = Outcome.DELETED
             except FileNotFoundError:  # another node's collector was first
                 outcomes[key] = Outcome.GONE
             except OSError as e:
-                log.warning("%s not removed: %s", path, e.strerror)
+                log.warning("%s not removed: %s", self.path_of(key), e.strerror)
                 fault = fault or e
         return outcomes, fault
 
@@ -312,8 +357,11 @@ class FileTransport:
 
     def _leaves_of(self, shard: int, first: int) -> tuple[str, ...]:
         """The leaf directories of top-level directory ``shard``, from ``first`` on."""
+        top = self.dir / f"{shard:02x}"
         try:
-            with os.scandir(self.dir / f"{shard:02x}") as entries:
+            if not stat.S_ISDIR(os.lstat(top).st_mode):  # a symlink: never followed
+                return ()
+            with os.scandir(top) as entries:
                 names = [d.name for d in entries
                          if d.name in _HEX2 and d.is_dir(follow_symlinks=False)]
         except FileNotFoundError:

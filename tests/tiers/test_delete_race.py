@@ -87,9 +87,9 @@ def test_an_object_replaced_while_in_the_graveyard_is_not_overwritten(
     os.utime(path, (5.0, 5.0))  # renewed (changed) since the stat
     real_rename = os.rename
 
-    def rename_then_publish(src: object, dst: object) -> None:
-        real_rename(src, dst)  # type: ignore[arg-type]
-        if Path(str(src)) == path:  # another writer publishes the key right after
+    def rename_then_publish(src: str, dst: str, **kw: int) -> None:
+        real_rename(src, dst, **kw)
+        if str(src) == path.name:  # another writer publishes the key right after
             path.write_bytes(b"new")
 
     monkeypatch.setattr(os, "rename", rename_then_publish)
