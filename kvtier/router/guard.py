@@ -15,7 +15,9 @@ Invariants:
   admitted request carries its tenant (``TENANT``; ``None`` without tenants). A refused
   request reaches no backend and no conversation state, and every refusal is the same
   answer, so a caller without the key cannot learn whether a conversation id exists.
-* Authentication runs before the limit: a refused request takes no slot.
+* Authentication runs before the limit: a refused request takes no slot. A request
+  without a bearer token is refused before any other work (not even a look at the
+  tenants file); one with a token costs one SHA-256 and one lookup.
 * At most ``limit`` requests hold a slot at once; one more is answered 503 with
   ``Retry-After`` at once, never queued. A slot is given back exactly once when its request
   ends, however it ends (answer, error, cancelled because the client went away).
@@ -92,10 +94,14 @@ def require_key(auth: Authenticator, rejected: Rejected) -> Middleware:
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if is_open(request):
             return await handler(request)
+        token = bearer_token(request.headers.get(AUTHORIZATION))
+        if token is None:  # refused before any other work (no look at the tenants file)
+            rejected("unauthorized")
+            return refusal.response()
         pending = auth.refresh()
         if pending is not None:
             await pending
-        known, tenant = auth.identify(bearer_token(request.headers.get(AUTHORIZATION)))
+        known, tenant = auth.identify(token)
         if not known:
             rejected("unauthorized")
             return refusal.response()

@@ -229,6 +229,30 @@ def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_previous_keys(
     assert "tenants.yaml: not valid YAML" in caplog.text and "keeping the previous" in caplog.text
 
 
+def test_a_request_without_a_key_is_refused_before_any_other_work(tenants_file: Path) -> None:
+    """No bearer token: refused at once, without looking at the tenants file (issue 32
+    review item 10: every request, refused ones too, paid for the registry's look)."""
+    rotated = "sk-acme-rotated-key-9999"
+
+    async def reloads(h: Harness) -> str:
+        async with h.client.get("/metrics") as resp:
+            text = await resp.text()
+        return next(line for line in text.splitlines()
+                    if line.startswith('kvtier_router_tenant_reloads_total{result="ok"}'))
+
+    async def scenario() -> None:
+        async with harness(tenants=tenants_file) as h:
+            before = await reloads(h)
+            await rewrite(tenants_file, {rotated: "acme"})
+            h.clock.advance(1.0)
+            assert (await post(h, {"prompt": "x"}))[0] == 401
+            assert (await post(h, {"prompt": "x"}, Authorization="Basic abc"))[0] == 401
+            assert await reloads(h) == before  # the file was not looked at
+            assert await status_of(h, rotated) == 200  # a keyed request looks, and reloads
+            assert await reloads(h) != before
+    run(scenario)
+
+
 def test_sighup_reloads_at_once(tenants_file: Path) -> None:
     rotated = "sk-globex-after-sighup-1"
 
