@@ -378,13 +378,14 @@ def test_a_ranged_read_does_not_queue_behind_background_heads(endpoint: str) -> 
         heads.start()
         for _ in range(3):  # the collector's own thread and both background threads
             assert held.acquire(timeout=30)
-        got: list[np.ndarray] = []
+        got: list[np.ndarray | None] = []
         reader = threading.Thread(target=lambda: got.append(_get(tier, 1, BIG)), daemon=True)
         t0 = time.perf_counter()
         reader.start()
         reader.join(timeout=20)
         took = time.perf_counter() - t0
         assert got, f"the read waited {took:.1f} s behind the held HEADs"
+        assert got[0] is not None
         np.testing.assert_array_equal(got[0], payload_for(make_key(1), BIG))
     finally:
         release.set()
