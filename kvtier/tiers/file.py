@@ -121,7 +121,8 @@ class FileTransport:
         relative to the last and never through a symlink, and the object's name in it.
         Raises ``FileNotFoundError`` if a level is missing (``create``: made, exact mode)
         or is a symlink (counted, logged and removed, so the key can be stored again: a
-        symlinked directory is never kvtier's), ``OSError`` on faults. ``root`` itself
+        symlinked directory is never kvtier's), ``OSError`` on faults (``NotRegular`` if
+        ``kv`` itself is a symlink: counted and logged, never removed). ``root`` itself
         may be reached through symlinks: it is the configured path."""
         h = key.hex()
         fd = self._open_level(None, str(self.dir), create)
@@ -144,9 +145,11 @@ class FileTransport:
             return fsutil.open_dir(name, dir_fd=parent)
         except fsutil.NotRegular:
             self._metrics.corrupt()
-            where = name if parent is None else f"{self.dir}/.../{name}"
-            log.warning("%s is not a directory (a symlink?): never followed, removing it",
-                        where)
+            if parent is None:  # ``kv`` itself: the operator's to fix, never removed
+                log.warning("%s is not a directory (a symlink?): never followed", name)
+                raise
+            log.warning("%s/.../%s is not a directory (a symlink?): never followed, "
+                        "removing it", self.dir, name)
             with contextlib.suppress(OSError):
                 if stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
                     os.unlink(name, dir_fd=parent)
