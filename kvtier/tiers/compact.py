@@ -18,8 +18,9 @@ Invariants:
   ``link_placed`` puts them where their recency belongs, not at the hot end: appended when
   none is older than the hot end, else by one vectorised re-sort of the whole list by
   ``(recency, version)`` (O(n log n) numpy under the lock, like a table rebuild: 50 ms at
-  a million entries; once per walk tick that found an older one). Issue 32: other nodes' objects used to land at the
-  hot end whatever their mtime, so a node evicted its own unused objects first.
+  a million entries; once per walk tick that found an older one). Issue 32: other
+  nodes' objects used to land at the hot end whatever their mtime, so a node evicted its
+  own unused objects first.
 * Entries a start scan added (``add_scanned``) are in the table (lookups see them) but not
   linked until ``finish_scan`` links them all, sorted by recency, at the cold end: a scan
   finds objects in directory order, and eviction must not follow that order.
