@@ -7,14 +7,16 @@ renew them, ``renew_chain`` renews a whole chain at once (the router's heartbeat
 
 Invariant: expiry only ever removes whole objects, each re-checked (stat) as not renewed
 since the cutoff shortly before its delete; a chain cut by expiry is a shorter prefix,
-which restores correctly and recomputes the rest. What does *not* hold (issue 32): the
-re-check and the delete are not atomic. A batch re-check (up to a tick's objects; seconds
-of ``lstat`` on NFS) is followed by unconditional deletes (NFS has no conditional
-unlink), so a renewal landing in that window is lost and its object removed: a live
-chain can be cut there. Renewing well inside the lease (``touch_interval`` below
-``lease_seconds`` is now enforced at config load; the router's heartbeat) keeps live
-objects far from the cutoff, which makes that window matter only for objects renewed just
-as their lease ran out.
+which restores correctly and recomputes the rest. On a file tier the delete is
+conditional on what the re-check saw (``kvtier.tiers.file``: rename to a graveyard name,
+re-stat, unlink or link back), so a renewal that returned before the delete survives it.
+What does *not* hold on S3 (issue 32): a renewal is a self-copy that keeps the ETag, and
+no endpoint kvtier runs on conditions a delete on the stamp, so a renewal landing between
+a batch's HEADs (up to a tick's objects) and its deletes is lost with its object, and a
+live chain can be cut there (only the HEAD fallback compares the stamp, right before each
+DELETE). Renewing well inside the lease (``touch_interval`` below ``lease_seconds`` is
+enforced at config load; the router's heartbeat) keeps live objects far from the cutoff,
+which makes that window matter only for objects renewed just as their lease ran out.
 """
 
 from __future__ import annotations

@@ -30,6 +30,25 @@ tiers:
     assert " 0 " in capsys.readouterr().out  # probes were deleted
 
 
+def test_check_passes_with_a_small_host_pool_and_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A valid config whose host pool holds fewer probes than ``--count`` (16 MiB: four
+    4 MiB chunks, 16 probes by default) passes: the probes are written and read back in
+    batches that fit (issue 32 review item 10: they evicted each other and the check
+    failed with "host: probe read back wrong or missing")."""
+    cfg = _cfg(tmp_path, f"""
+tiers:
+  - host: {{capacity: 16MiB}}
+  - file: {{path: {tmp_path / 'store'}, capacity: 20MiB}}
+""")
+    assert main(["check", cfg]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "check passed" in out and "host" in out and "file1" in out
+    assert main(["stats", cfg]) == EXIT_OK
+    assert " 0 " in capsys.readouterr().out  # probes were deleted
+
+
 def test_ls_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvtier.tiers.file import FileTier
     from tests.tiers.harness import make_key, meta_for, payload_for

@@ -7,12 +7,17 @@ Invariants:
   need no key, and neither page names a conversation.
 * With an API key or a tenants file configured, every other route (the proxied
   completions, the lease renewal, and unknown paths) answers 401 unless the request
-  carries ``Authorization: Bearer <key>`` with a valid key. Keys are compared in constant
-  time (``hmac.compare_digest``; with tenants, against every key) and never logged. An
+  carries ``Authorization: Bearer <key>`` with a valid key. Only SHA-256 digests are
+  compared, never the raw token: the single key with ``hmac.compare_digest`` on the two
+  fixed-length digests (raw texts of different lengths returned early, telling the key's
+  length; issue 32), tenants' keys by one dict lookup keyed by the digest (O(1) whatever
+  their number; ``kvtier.router.tenants``). Keys are never logged. An
   admitted request carries its tenant (``TENANT``; ``None`` without tenants). A refused
   request reaches no backend and no conversation state, and every refusal is the same
   answer, so a caller without the key cannot learn whether a conversation id exists.
-* Authentication runs before the limit: a refused request takes no slot.
+* Authentication runs before the limit: a refused request takes no slot. A request
+  without a bearer token is refused before any other work (not even a look at the
+  tenants file); one with a token costs one SHA-256 and one lookup.
 * At most ``limit`` requests hold a slot at once; one more is answered 503 with
   ``Retry-After`` at once, never queued. A slot is given back exactly once when its request
   ends, however it ends (answer, error, cancelled because the client went away).
@@ -27,7 +32,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kvtier.router.protocol import AUTHORIZATION, RouterError
-from kvtier.router.tenants import TenantRegistry
+from kvtier.router.tenants import TenantRegistry, key_digest
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 RETRY_AFTER_SECONDS = 1
@@ -44,7 +49,7 @@ class Authenticator:
     def __init__(self, api_key: str | None, tenants: TenantRegistry | None) -> None:
         if api_key is None and tenants is None:
             raise ValueError("an Authenticator needs an API key or a tenants file")
-        self._key = None if api_key is None else api_key.encode()
+        self._digest = None if api_key is None else key_digest(api_key)
         self.tenants = tenants
 
     def identify(self, token: str | None) -> tuple[bool, str | None]:
@@ -53,8 +58,8 @@ class Authenticator:
         if self.tenants is not None:
             tenant = self.tenants.authenticate(token)
             return tenant is not None, tenant
-        assert self._key is not None
-        return hmac.compare_digest(token.encode(errors="surrogatepass"), self._key), None
+        assert self._digest is not None
+        return hmac.compare_digest(key_digest(token), self._digest), None
 
     def refresh(self) -> Awaitable[None] | None:
         if self.tenants is not None and self.tenants.due():
@@ -89,10 +94,14 @@ def require_key(auth: Authenticator, rejected: Rejected) -> Middleware:
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if is_open(request):
             return await handler(request)
+        token = bearer_token(request.headers.get(AUTHORIZATION))
+        if token is None:  # refused before any other work (no look at the tenants file)
+            rejected("unauthorized")
+            return refusal.response()
         pending = auth.refresh()
         if pending is not None:
             await pending
-        known, tenant = auth.identify(bearer_token(request.headers.get(AUTHORIZATION)))
+        known, tenant = auth.identify(token)
         if not known:
             rejected("unauthorized")
             return refusal.response()

@@ -13,7 +13,14 @@ live and dead cells pass 70 %).
 Invariants:
 
 * Linked entries are ordered by when this node recorded them, coldest first; ``bytes`` is
-  the sum of every entry's size (linked or not).
+  the sum of every entry's size (linked or not). Entries the walk finds or refreshes
+  (``remember_placed``: another node's objects, newer stamps) wait unlinked until
+  ``link_placed`` puts them where their recency belongs, not at the hot end: appended when
+  none is older than the hot end, else by one vectorised re-sort of the whole list by
+  ``(recency, version)`` (O(n log n) numpy under the lock, like a table rebuild: 50 ms at
+  a million entries; once per walk tick that found an older one). Issue 32: other
+  nodes' objects used to land at the hot end whatever their mtime, so a node evicted its
+  own unused objects first.
 * Entries a start scan added (``add_scanned``) are in the table (lookups see them) but not
   linked until ``finish_scan`` links them all, sorted by recency, at the cold end: a scan
   finds objects in directory order, and eviction must not follow that order.
@@ -49,6 +56,7 @@ from kvtier.keys import ChunkKey
 
 _EMPTY, _TOMB = -1, -2  # table cells
 _NIL, _UNLINKED, _FREE = -1, -2, -3  # _prev of: the head, a scanned entry, a free slot
+_PLACED = -4  # _prev of an entry the walk found, waiting for ``link_placed``
 _M64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15
 _MAX_LOAD = 0.7
@@ -103,6 +111,7 @@ class CompactIndex:
         self._live = self._dead = 0
         self._head = self._tail = _NIL
         self._links = 0  # changes to the recency list: ``items`` resumes where it stopped
+        self._any_placed = False  # some entry may wait for ``link_placed``
         self._tick = 0
         self._touch_base: float | None = None
         self.bytes = 0
@@ -138,7 +147,7 @@ class CompactIndex:
     def _unlink(self, e: int) -> None:
         self._links += 1
         p, n = int(self._prev[e]), int(self._next[e])
-        if p == _UNLINKED:
+        if p in (_UNLINKED, _PLACED):
             return
         if p == _NIL:
             self._head = n
@@ -332,11 +341,12 @@ class CompactIndex:
                 break
             seen += batch
         with self._lock:
-            ids = np.nonzero(self._prev[: self._top] == _UNLINKED)[0].tolist()
+            prev = self._prev[: self._top]
+            ids = np.nonzero((prev == _UNLINKED) | (prev == _PLACED))[0].tolist()
         for i in range(0, len(ids), batch):
             with self._lock:
                 got = [(self._key(e), self._entry(e)) for e in ids[i : i + batch]
-                       if int(self._prev[e]) == _UNLINKED]
+                       if int(self._prev[e]) in (_UNLINKED, _PLACED)]
             yield from got
 
     def _linked_after(
@@ -374,6 +384,61 @@ class CompactIndex:
                 self._unlink(e)
             self._set(e, size, last_used, touched)
             self._append(e)
+
+    def remember_placed(self, key: ChunkKey, size: int, last_used: float,
+                        seen: Entry | None = None) -> bool:
+        """Record ``key`` (``touched`` kept) to be placed by ``last_used``, not at the hot
+        end: it stays unlinked (found by lookups, not yet by ``coldest``) until
+        ``link_placed``. Without ``seen`` only a key not known yet is recorded; with it,
+        only while the key's entry is still ``seen``. Returns whether it recorded."""
+        k0, k1 = split(key)
+        with self._lock:
+            self._reserve()
+            cell, e = self._find(k0, k1)
+            if e < 0:
+                if seen is not None:
+                    return False
+                e = self._insert(cell, k0, k1)
+            elif seen is None or int(self._version[e]) != seen.version:
+                return False
+            else:
+                self._unlink(e)
+            self._set(e, size, last_used, None)
+            self._prev[e], self._next[e] = _PLACED, _NIL
+            self._any_placed = True
+            return True
+
+    def link_placed(self) -> int:
+        """Link the entries ``remember_placed`` recorded where their recency belongs
+        (see the module invariants); returns how many."""
+        with self._lock:
+            if not self._any_placed:
+                return 0
+            self._any_placed = False
+            top, prev, used, version = self._top, self._prev, self._used, self._version
+            ids = np.nonzero(prev[:top] == _PLACED)[0].astype(np.int32)
+            if not len(ids):
+                return 0
+            order = ids[np.lexsort((version[ids], used[ids]))]
+            if self._tail != _NIL and used[order[0]] < used[self._tail]:
+                live = prev[:top]
+                ids_all = np.nonzero((live != _FREE) & (live != _UNLINKED))[0].astype(np.int32)
+                chain = ids_all[np.lexsort((version[ids_all], used[ids_all]))]
+                self._head = self._tail = _NIL
+            else:
+                chain = order
+            self._links += 1
+            self._prev[chain[1:]] = chain[:-1]
+            self._next[chain[:-1]] = chain[1:]
+            first, last = int(chain[0]), int(chain[-1])
+            self._prev[first] = self._tail
+            if self._tail == _NIL:
+                self._head = first
+            else:
+                self._next[self._tail] = first
+            self._next[last] = _NIL
+            self._tail = last
+            return len(ids)
 
     def add_scanned(self, found: Iterable[tuple[ChunkKey, int, float]]) -> int:
         """Add ``(key, size, last_used)`` of a start scan, unlinked (``finish_scan`` links

@@ -18,30 +18,43 @@ Invariants, chosen to hold on NFS with several writers:
   same plus x where r is set (0600 -> 0700), whatever the umask. Reads never follow a
   symlink nor block on a FIFO or device: anything but a regular file named like an object
   is a miss, counted as corrupt and removed; scans skip such entries and symlinked dirs.
+  No operation on an object goes through a symlinked directory either: each reaches the
+  object's leaf one level at a time (``kv``, ``xx``, ``yy``: ``O_DIRECTORY | O_NOFOLLOW``
+  relative to the last) and works there by ``dir_fd``; a symlinked level is counted,
+  removed, and the key is a miss (``root`` itself may be reached through symlinks).
 * No ``flock``, no ``atime``: recency is the file's mtime, set explicitly with ``utime`` on
   a hit (at most once per ``touch_interval``). Every node sees it, so LRU collection is
   correct for the shared directory. Leases: the mtime is also the lease start.
 * A page of the walk is one leaf directory ``kv/xx/yy`` (then the files directly in
   ``kv/``: probes), so a page costs about objects / 65,536 ``stat`` calls; the leaves of
   a top-level directory are read once per pass, when the walk enters it, and carried in
-  the cursor. A page lists objects with their mtimes (exact) and refreshes what the tier
+  the cursor (such a page is not ``fresh``: the walk spares what was recorded since that
+  read). A page lists objects with their mtimes (exact) and refreshes what the tier
   knows of the temp files in the leaves it covers. ``check_listing`` reads one entry of
   ``kv/``: all the constructor lists.
-* A victim is re-stated before its unlink (``heads``), but the unlink itself is
-  unconditional: NFS has no conditional unlink. A corrupt object is removed only if it is
-  still the inode (and mtime) that was read.
+* A delete of a version (collection, expiry, a corrupt object) is conditional on what
+  its stat saw, without a conditional unlink (NFS has none): the object is renamed to a
+  graveyard name in its own directory (atomic; from then on nobody can renew it under its
+  name), re-stated there, and unlinked only if it is still that inode and mtime; else it
+  is linked back under its name (never over an object published there meanwhile, which
+  wins) and kept. A renewal (``utime``) that returned before the rename is seen by the
+  re-stat and survives; one that comes after it finds no file and says so (``renew`` is
+  False). The re-stat is as fresh as the client's attributes after a lookup of a new
+  name (NFS close-to-open revalidates them). A collector killed between the rename and
+  the unlink leaves a ``.del.tmp`` file that the temp sweep removes.
 * Any thread may call any method; the data-path methods never raise on I/O faults.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import socket
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
@@ -66,6 +79,9 @@ log = logging.getLogger("kvtier.file")
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+#: A victim between its rename and its unlink: a temp name (listings skip it; the temp
+#: sweep removes one a dead collector left behind, by its old mtime).
+_GRAVE_SUFFIX = ".del" + _TMP_SUFFIX
 _LEAVES = 256 * 256  # leaf directories xx/yy; the page after them: files in kv/ (probes)
 _LEAF_SHIFT = 112  # a leaf's keys, as numbers: [leaf << 112, (leaf + 1) << 112)
 _HEX2 = frozenset(f"{i:02x}" for i in range(256))
@@ -99,40 +115,88 @@ class FileTransport:
     def describe(self, key: ChunkKey) -> str:
         return str(self.path_of(key))
 
-    def _remove_foreign(self, path: Path) -> None:
+    @contextlib.contextmanager
+    def _leaf(self, key: ChunkKey, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """The object's leaf directory, opened one level at a time (``kv``, ``xx``, ``yy``)
+        relative to the last and never through a symlink, and the object's name in it.
+        Raises ``FileNotFoundError`` if a level is missing (``create``: made, exact mode)
+        or is a symlink (counted, logged and removed, so the key can be stored again: a
+        symlinked directory is never kvtier's), ``OSError`` on faults (``NotRegular`` if
+        ``kv`` itself is a symlink: counted and logged, never removed). ``root`` itself
+        may be reached through symlinks: it is the configured path."""
+        h = key.hex()
+        fd = self._open_level(None, str(self.dir), create)
+        try:
+            for name in (h[0:2], h[2:4]):
+                nxt = self._open_level(fd, name, create)
+                os.close(fd)
+                fd = nxt
+            yield fd, f"{h}{_SUFFIX}"
+        finally:
+            os.close(fd)
+
+    def _open_level(self, parent: int | None, name: str, create: bool) -> int:
+        try:
+            return fsutil.open_dir(name, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+            fsutil.make_dir(name, self.dir_mode, dir_fd=parent)
+            return fsutil.open_dir(name, dir_fd=parent)
+        except fsutil.NotRegular:
+            self._metrics.corrupt()
+            if parent is None:  # ``kv`` itself: the operator's to fix, never removed
+                log.warning("%s is not a directory (a symlink?): never followed", name)
+                raise
+            log.warning("%s/.../%s is not a directory (a symlink?): never followed, "
+                        "removing it", self.dir, name)
+            with contextlib.suppress(OSError):
+                if stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
+                    os.unlink(name, dir_fd=parent)
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, "not a directory of this tier",
+                                        name) from None
+            fsutil.make_dir(name, self.dir_mode, dir_fd=parent)
+            return fsutil.open_dir(name, dir_fd=parent)
+
+    def _remove_foreign(self, key: ChunkKey) -> None:
         """Something not a regular file (symlink, FIFO, device) is named like an object:
         never kvtier's and never read. Count it and remove it (unless it is a directory
         or has become a regular file), so the key can be stored again."""
         self._metrics.corrupt()
-        log.warning("%s is not a regular file: a miss, removing it", path)
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
+        log.warning("%s is not a regular file: a miss, removing it", self.path_of(key))
+        with contextlib.suppress(OSError), self._leaf(key) as (d, name):
+            st = os.lstat(name, dir_fd=d)
             if not fsutil.is_regular(st) and not stat.S_ISDIR(st.st_mode):
-                os.unlink(path)
+                os.unlink(name, dir_fd=d)
 
     def head(self, key: ChunkKey) -> Stat | None:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
+            with self._leaf(key) as (d, name):
+                st = os.lstat(name, dir_fd=d)
         except FileNotFoundError:
             return None
         if not fsutil.is_regular(st):
-            self._remove_foreign(path)
+            self._remove_foreign(key)
             return None
         return Stat(st.st_size, st.st_mtime, (st.st_ino, st.st_mtime_ns))
 
     def heads(self, keys: Sequence[ChunkKey]) -> list[Stat | None]:
         return [self.head(key) for key in keys]
 
+    def _open(self, key: ChunkKey) -> int:
+        """A descriptor of the object's regular file (``open_regular`` in its leaf)."""
+        with self._leaf(key) as (d, name):
+            return fsutil.open_regular(name, dir_fd=d)
+
     def read(self, key: ChunkKey, head: memoryview, body: memoryview,
              plan: int) -> tuple[int, Version]:
-        path = self.path_of(key)
         try:
-            fd = fsutil.open_regular(path)
+            fd = self._open(key)
         except FileNotFoundError:
             raise Missing from None
         except fsutil.NotRegular:
-            self._remove_foreign(path)
+            self._remove_foreign(key)
             raise Missing from None
         try:
             st = os.fstat(fd)
@@ -145,7 +209,7 @@ class FileTransport:
 
     def read_header(self, key: ChunkKey, head: memoryview) -> int | None:
         try:
-            fd = fsutil.open_regular(self.path_of(key))
+            fd = self._open(key)
         except OSError:
             return None
         try:
@@ -156,69 +220,82 @@ class FileTransport:
         return size
 
     def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
-            if (st.st_ino, st.st_mtime_ns) != version:
-                return Outcome.KEPT  # replaced since it was read
-            os.unlink(path)
-        except FileNotFoundError:
-            return Outcome.GONE
+            return self._remove_if(key, version)
         except OSError as e:
             return e
-        return Outcome.DELETED
+
+    def _remove_if(self, key: ChunkKey, version: Version) -> Outcome:
+        """Unlink the object only while it is still ``version`` (inode, mtime in ns):
+        rename it to a graveyard name in its directory, re-stat it there, then unlink it
+        or link it back (see the module invariants). Raises ``OSError`` on faults; a fault
+        after the rename puts the object back first where it can."""
+        try:
+            with self._leaf(key) as (d, name):
+                return self._remove_in(d, name, version)
+        except FileNotFoundError:
+            return Outcome.GONE  # another node's collector was first
+
+    def _remove_in(self, d: int, name: str, version: Version) -> Outcome:
+        grave = f".{name}.{self.tag}.{secrets.token_hex(4)}{_GRAVE_SUFFIX}"
+        os.rename(name, grave, src_dir_fd=d, dst_dir_fd=d)
+        try:
+            st = os.lstat(grave, dir_fd=d)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.link(grave, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+            with contextlib.suppress(OSError):
+                os.unlink(grave, dir_fd=d)
+            raise
+        changed = (st.st_ino, st.st_mtime_ns) != version
+        if changed:  # renewed or replaced since its stat: back under its name
+            with contextlib.suppress(FileExistsError):  # published again meanwhile: it wins
+                os.link(grave, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+        os.unlink(grave, dir_fd=d)
+        return Outcome.KEPT if changed else Outcome.DELETED
 
     def write(self, key: ChunkKey, header: memoryview, body: memoryview, *, create: bool,
               now: float) -> float:
-        path = self.path_of(key)
-        tmp = path.with_name(f".{path.name}.{self.tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
-        try:
-            fd = self._create_temp(tmp)
+        with self._leaf(key, create=True) as (d, name):
+            tmp = f".{name}.{self.tag}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             try:
-                fsutil.write_all(fd, [header, body])
-                st = os.fstat(fd)
-                fsutil.set_mode(fd, st, self.mode)  # before it is published: umask aside
-                if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
-                    now = st.st_mtime
-                else:  # an injected clock: recency must follow it
-                    os.utime(fd, (now, now))
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if create:
+                fd = os.open(tmp, fsutil.CREATE_FLAGS, self.mode, dir_fd=d)
                 try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise Exists from None
-            else:
-                os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                    fsutil.write_all(fd, [header, body])
+                    st = os.fstat(fd)
+                    fsutil.set_mode(fd, st, self.mode)  # before it is published: umask aside
+                    if self._clock is SYSTEM_CLOCK:  # the write itself set the mtime
+                        now = st.st_mtime
+                    else:  # an injected clock: recency must follow it
+                        os.utime(fd, (now, now))
+                    if self._fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if create:
+                    try:
+                        os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                    except FileExistsError:
+                        raise Exists from None
+                else:
+                    os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=d)
         return now
 
-    def _create_temp(self, tmp: Path) -> int:
-        """Open a new temp file; its directories are created (each level, exact mode)
-        only when missing, so a put costs no extra metadata call otherwise."""
-        try:
-            return os.open(tmp, fsutil.CREATE_FLAGS, self.mode)
-        except FileNotFoundError:
-            for d in (self.dir, tmp.parent.parent, tmp.parent):
-                fsutil.make_dir(d, self.dir_mode)
-            return os.open(tmp, fsutil.CREATE_FLAGS, self.mode)
-
     def touch(self, key: ChunkKey, now: float) -> None:
-        with contextlib.suppress(OSError):  # deleted meanwhile: the next lookup notices
-            os.utime(self.path_of(key), (now, now), follow_symlinks=False)
+        with contextlib.suppress(OSError), self._leaf(key) as (d, name):
+            # deleted meanwhile: the next lookup notices
+            os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
 
     def stamp(self, key: ChunkKey, now: float) -> Stat | None:
-        path = self.path_of(key)
         try:
-            st = os.lstat(path)
-            if not fsutil.is_regular(st):
-                return None
-            os.utime(path, (now, now), follow_symlinks=False)
+            with self._leaf(key) as (d, name):
+                st = os.lstat(name, dir_fd=d)
+                if not fsutil.is_regular(st):
+                    return None
+                os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
         except FileNotFoundError:
             return None
         return Stat(st.st_size, now, (st.st_ino, int(now * 1e9)))
@@ -227,15 +304,18 @@ class FileTransport:
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         outcomes: dict[ChunkKey, Outcome] = {}
         fault: Exception | None = None
-        for key, _ in victims:
-            path = self.path_of(key)
+        for key, st in victims:
             try:
-                os.unlink(path)
+                if st is not None:
+                    outcomes[key] = self._remove_if(key, st.version)
+                    continue
+                with self._leaf(key) as (d, name):
+                    os.unlink(name, dir_fd=d)
                 outcomes[key] = Outcome.DELETED
             except FileNotFoundError:  # another node's collector was first
                 outcomes[key] = Outcome.GONE
             except OSError as e:
-                log.warning("%s not removed: %s", path, e.strerror)
+                log.warning("%s not removed: %s", self.path_of(key), e.strerror)
                 fault = fault or e
         return outcomes, fault
 
@@ -258,6 +338,7 @@ class FileTransport:
             self._top_files()
             return Page([], 1, 0, None)
         shard = leaf >> 8
+        fresh = subs is None
         if subs is None:
             subs = self._leaves_of(shard, leaf & 0xFF)
         found: list[Listed] = []
@@ -275,12 +356,15 @@ class FileTransport:
         last = ((shard << 8) | int(rest[0], 16)) - 1 if rest else (shard << 8) | 0xFF
         self.temps.reset(leaf, last, temps)
         nxt: _Cursor = (last + 1, rest or None)
-        return Page(found, leaf << _LEAF_SHIFT, ((last + 1) << _LEAF_SHIFT) - 1, nxt)
+        return Page(found, leaf << _LEAF_SHIFT, ((last + 1) << _LEAF_SHIFT) - 1, nxt, fresh)
 
     def _leaves_of(self, shard: int, first: int) -> tuple[str, ...]:
         """The leaf directories of top-level directory ``shard``, from ``first`` on."""
+        top = self.dir / f"{shard:02x}"
         try:
-            with os.scandir(self.dir / f"{shard:02x}") as entries:
+            if not stat.S_ISDIR(os.lstat(top).st_mode):  # a symlink: never followed
+                return ()
+            with os.scandir(top) as entries:
                 names = [d.name for d in entries
                          if d.name in _HEX2 and d.is_dir(follow_symlinks=False)]
         except FileNotFoundError:

@@ -5,7 +5,9 @@ Invariants:
 
 * An object is only read through ``open_regular``: it never follows a symlink and never
   blocks on a FIFO or a device (``O_NOFOLLOW | O_NONBLOCK``), and anything but a regular
-  file is refused with ``NotRegular`` before a byte is read.
+  file is refused with ``NotRegular`` before a byte is read. ``O_NOFOLLOW`` covers the
+  last component only: callers reach the file's directory with ``open_dir``, one level at
+  a time relative to the last (``dir_fd``), so no directory on the way is a symlink.
 * What kvtier creates gets exactly the configured mode, whatever the umask: files are
   ``fchmod``-ed before they are published (``link``/``rename``), a new directory is
   ``chmod``-ed when the umask took bits away (keeping a set-group-id bit it inherited).
@@ -20,6 +22,7 @@ import stat
 from collections.abc import Iterator
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: For files kvtier creates: a symlink planted at the (random) temp name is not followed.
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -34,14 +37,28 @@ def dir_mode(file_mode: int) -> int:
     return file_mode | ((file_mode & 0o444) >> 2)
 
 
-def open_regular(path: str | os.PathLike[str]) -> int:
-    """A read-only descriptor of the regular file at ``path`` (the caller closes it).
+def open_dir(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory at ``path`` (relative to ``dir_fd`` if given), never
+    through a symlink at its last component (the caller closes it). Raises
+    ``FileNotFoundError`` if absent, ``NotRegular`` if it is a symlink or not a directory."""
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotRegular(e.errno, "symbolic link or not a directory",
+                             os.fspath(path)) from None
+        raise
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file at ``path`` (relative to ``dir_fd`` if
+    given; the caller closes it).
 
     Raises ``FileNotFoundError`` if absent, ``NotRegular`` if it is anything else than a
     regular file (a symlink included), another ``OSError`` on I/O faults.
     """
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
             raise NotRegular(errno.ELOOP, "symbolic link", os.fspath(path)) from None
@@ -102,16 +119,17 @@ def is_regular(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode)
 
 
-def make_dir(path: str | os.PathLike[str], mode: int) -> bool:
-    """Create one directory with exactly ``mode``; ``False`` if something is already there
-    (another node may create it at the same time). Its parent must exist."""
+def make_dir(path: str | os.PathLike[str], mode: int, *, dir_fd: int | None = None) -> bool:
+    """Create one directory with exactly ``mode`` (``path`` relative to ``dir_fd`` if
+    given); ``False`` if something is already there (another node may create it at the
+    same time). Its parent must exist."""
     try:
-        os.mkdir(path, mode)
+        os.mkdir(path, mode, dir_fd=dir_fd)
     except FileExistsError:
         return False
-    st = os.lstat(path)
+    st = os.lstat(path, dir_fd=dir_fd)
     if st.st_mode & 0o777 != mode:  # the umask took bits away
-        os.chmod(path, mode | (st.st_mode & stat.S_ISGID))
+        os.chmod(path, mode | (st.st_mode & stat.S_ISGID), dir_fd=dir_fd)
     return True
 
 

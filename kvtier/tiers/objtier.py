@@ -38,8 +38,11 @@ Invariants:
   then ask the store for each victim's stamp (``heads``), keep those another node used at
   or after the decision's bound, keep those this node recorded anything for since the
   snapshot (versions), and delete the rest only while each is still the version its
-  stat saw (``Transport.remove``); only the entry they picked leaves the index. A use in
-  the window between that check and the delete costs a recompute, never wrong KV.
+  stat saw (``Transport.remove``); only the entry they picked leaves the index. On a file
+  tier that condition covers a renewal (the mtime is the version): one between the stat
+  and the delete survives. On S3 a renewal keeps the ETag, so one in that window is lost
+  with its object (the HEAD fallback alone compares the stamp): a recompute, never wrong
+  KV.
 * No I/O under the index lock; one collection at a time (``collect`` returns at once
   while one runs, ``expire`` and ``rescan`` wait for it).
 * Any thread may call any method; data-path methods never raise store faults (they are

@@ -37,7 +37,10 @@ Invariants:
   ``expire`` are HEADed (in parallel) and deleted conditioned on the ETag the HEAD saw (a
   conditional batch, conditional DELETEs, or one HEAD-compare-DELETE each that also
   compares the stamp; ``s3caps.Deleter``), so an object replaced by different bytes
-  survives (a restamp may keep the ETag: only the HEAD path sees it).
+  survives. A restamp (a renewal) keeps the ETag, and no endpoint kvtier runs on
+  conditions DeleteObject on the stamp (AWS's ``IfMatchLastModifiedTime`` is for
+  directory buckets only; moto and RGW ignore it): a renewal between the batch's HEADs
+  and its deletes is lost with its object; only the HEAD path sees it.
 * Leases (``kvtier.lease``): ``kvtier-used`` is also the lease start; ``renew`` rewrites
   it to now unconditionally. Any thread may call any method.
 * Endpoint faults are retried by botocore (standard mode: backoff, ``max_attempts`` tries
@@ -126,7 +129,7 @@ class S3Transport:
         return None if head is None else _stat(head)
 
     def heads(self, keys: Sequence[ChunkKey]) -> list[Stat | None]:
-        return self.io.parallel(self.head, keys)
+        return self.io.parallel(self.head, keys, background=True)  # collection, expiry
 
     def read(self, key: ChunkKey, head: memoryview, body: memoryview,
              plan: int) -> tuple[int, Version]:

@@ -294,7 +294,8 @@ class Deleter:
         except S3_ERRORS as e:
             return Removal(outcomes, e)
         if versioned and not self.caps.batch_delete_etag:
-            for v, got in zip(versioned, self.io.parallel(self._one, versioned), strict=True):
+            got_all = self.io.parallel(self._one, versioned, background=True)
+            for v, got in zip(versioned, got_all, strict=True):
                 if isinstance(got, Outcome):
                     outcomes[v.name] = got
                 else:

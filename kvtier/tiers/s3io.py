@@ -6,8 +6,14 @@ Invariants:
 
 * Request bodies are sent from the caller's buffers without joining them (``ChainReader``)
   and response bodies are streamed straight into slices of them (``readinto``).
-* Work split across the thread pool (ranges, parts, HEADs) is always waited for in full
+* Work split across the thread pools (ranges, parts, HEADs) is always waited for in full
   before a call returns or raises: it reads or writes buffers the caller owns.
+* Foreground transfers (a read's ranges, a write's parts) and background work (the
+  batched HEADs and deletes of collection and expiry) run on separate bounded pools
+  (``s3-parts``, ``s3-bg``; ``workers`` threads each), so a restore's ranged GETs never
+  queue behind a batch of collection HEADs (issue 32: they shared one pool, and a
+  restore could run past its allowance and trip the breaker). Restamps have their own
+  thread (``kvtier.tiers.s3``).
 * ``read`` returns the object's length and ETag, raises ``Missing`` when there is no object
   and ``Changed`` unless every range came from one version (same ETag and length).
 * ``write`` with ``create=True`` raises ``Exists`` instead of replacing an object: by the
@@ -208,21 +214,27 @@ class ObjectIO:
         self._part_size = part_size
         self._threshold = multipart_threshold
         self._workers = workers
-        #: part transfers; daemon threads, so one stuck in a hung endpoint never holds the
-        #: process's exit (a ThreadPoolExecutor's threads are joined at interpreter exit)
-        self._pool: IOPool | None = None
+        #: transfers (``False``: ``s3-parts``) and background work (``True``: ``s3-bg``),
+        #: made on first use; daemon threads, so one stuck in a hung endpoint never holds
+        #: the process's exit (a ThreadPoolExecutor's threads are joined at exit)
+        self._pools: dict[bool, IOPool] = {}
         self._lock = threading.Lock()
 
-    def parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """``fn`` over ``items``: the first in this thread, the rest on the pool. Returns or
-        raises only after every call has finished."""
+    def parallel(self, fn: Callable[[_T], _R], items: Sequence[_T], *,
+                 background: bool = False) -> list[_R]:
+        """``fn`` over ``items``: the first in this thread, the rest on the transfer pool,
+        or (``background``: collection's and expiry's HEADs and deletes) on the
+        background pool, which foreground reads never wait for. Returns or raises only
+        after every call has finished."""
         futures: list[Future[_R]] = []
         try:
             if len(items) > 1:
                 with self._lock:
-                    if self._pool is None:
-                        self._pool = IOPool(self._workers, 1, name="s3-parts")
-                    pool = self._pool
+                    pool = self._pools.get(background)
+                    if pool is None:
+                        pool = IOPool(self._workers, 1,
+                                      name="s3-bg" if background else "s3-parts")
+                        self._pools[background] = pool
                 futures = [pool.submit_load(functools.partial(fn, item)) for item in items[1:]]
             first = fn(items[0])
         finally:
@@ -380,8 +392,8 @@ class ObjectIO:
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
             # Never wait: a part upload or ranged read stuck in a hung endpoint would hold
             # the engine's shutdown past its budget (the threads are abandoned).
             pool.close(timeout=0)

@@ -81,6 +81,11 @@ class Page:
     lo: int  # the key range the page covers, as numbers (``compact.key_int``)
     hi: int
     next: object | None  # the cursor of the next page; None: this page ended a pass
+    #: The page's extent (where ``lo``/``hi`` end) was read from the store now. False: it
+    #: comes from a listing an earlier page read and carried in the cursor (a file tier's
+    #: leaf directories of one top-level directory), so objects recorded since that earlier
+    #: listing may lie in the range without being listed (``kvtier.tiers.walk``).
+    fresh: bool = True
 
 
 class Transport(Protocol):

@@ -12,13 +12,19 @@ Invariants:
   whatever its caller does with that page). The next tick resumes at the next page, so a
   pass takes about ``pass cost / seconds`` ticks: ``last_pass`` says how many it took.
 * **Reconciliation.** Each page's objects are taken at once: objects other nodes wrote
-  are added, sizes and (exact listings) newer stamps taken. Dropping entries the store no
+  are added, sizes and (exact listings) newer stamps taken; added and re-stamped entries
+  take their place in the eviction order by that stamp at the tick's end (never at the
+  hot end whatever their age). Dropping entries the store no
   longer has is a sweep over the index (``CompactIndex.in_range``, O(entries) numpy
   work), so it is batched: consecutive pages accumulate one key range, swept once
   ``SWEEP_OBJECTS`` were listed, at the end of a pass, and at the end of every tick. An
   entry in the swept range that none of its pages listed is dropped unless it was
-  recorded after the sweep's first page was listed (its version is newer than the mark
-  taken then): a put or probe racing the listing is never lost.
+  recorded after the listing that fixed the extent of a page it covers (its version is
+  newer than the mark taken then): a put or probe racing the listing is never lost. A
+  page that is not ``fresh`` got its extent from an earlier page's listing, carried in
+  the cursor (a file tier reads a top-level directory's leaves once, when it enters it,
+  maybe ticks before): its mark is the one taken before that earlier listing, so a put
+  into a leaf created after it, which the page's range covers but did not list, stays.
 * Not thread-safe: one caller at a time (``ObjectTier`` holds its collection lock). It
   does I/O (the listing) and never holds the index lock across it.
 """
@@ -68,8 +74,14 @@ class PassStats:
     objects: int  # objects listed
 
 
+def _older(a: int, b: int) -> bool:
+    """Mark ``a`` was taken before mark ``b`` (modulo 2**32, as ``changed_since``)."""
+    return 0 < ((b - a) & 0xFFFFFFFF) < (1 << 31)
+
+
 class _Sweep:
-    """Pages listed since ``mark``, covering ``[lo, hi]``, and the keys they listed."""
+    """Pages whose extents were listed after ``mark``, covering ``[lo, hi]``, and the
+    keys they listed."""
 
     def __init__(self, mark: int) -> None:
         self.mark = mark
@@ -77,10 +89,14 @@ class _Sweep:
         self.hi = -1
         self.keys: set[ChunkKey] = set()
 
-    def add(self, page: Page) -> None:
+    def add(self, page: Page, extent_mark: int) -> None:
+        """``extent_mark``: the index mark taken before the listing that fixed the page's
+        extent (before this page's own listing if it is ``fresh``)."""
         if page.lo <= page.hi:  # an empty range (the top-files page) covers nothing
             self.lo = page.lo if self.lo is None else self.lo
             self.hi = page.hi
+        if _older(extent_mark, self.mark):
+            self.mark = extent_mark
         self.keys.update(obj.key for obj in page.objects)
 
 
@@ -95,6 +111,9 @@ class Walk:
         self._on_fault = on_fault
         self._name = name
         self._cursor: object | None = None  # the next page
+        #: The index mark taken before the listing that fixed the cursor's extent (a
+        #: fresh page's own listing; carried while pages are not fresh).
+        self._extent_mark: int | None = None
         #: Full passes completed (tests, benchmarks).
         self.passes = 0
         #: The last completed pass (None before the first).
@@ -105,6 +124,7 @@ class Walk:
     def restart(self) -> None:
         """The next tick starts a pass from the first page."""
         self._cursor = None
+        self._extent_mark = None
         self._ticks = self._objects = 0
         self._seconds = 0.0
 
@@ -118,13 +138,16 @@ class Walk:
         self._ticks += 1
         try:
             while True:
+                mark = self._index.mark()
                 try:
                     page = self._transport.page(self._cursor)
                 except self._transport.faults as e:
                     self._on_fault(op, e)
                     return
+                if page.fresh or self._extent_mark is None:
+                    self._extent_mark = mark
                 self._take(page)
-                sweep.add(page)
+                sweep.add(page, self._extent_mark)
                 self._cursor = page.next
                 listed += len(page.objects)
                 self._objects += len(page.objects)
@@ -141,19 +164,22 @@ class Walk:
                     return
         finally:
             self._sweep(sweep)
+            self._index.link_placed()
             self._seconds += self._clock.monotonic() - start
 
     def _take(self, page: Page) -> None:
-        """Objects other nodes wrote, newer stamps (exact listings), sizes."""
+        """Objects other nodes wrote, newer stamps (exact listings), sizes: placed by
+        their recency (``CompactIndex.link_placed`` at the tick's end), never simply at
+        the hot end."""
         exact = self._transport.exact_listing
         index = self._index
         for obj in page.objects:
             e = index.get(obj.key)
             if e is None:
-                index.remember(obj.key, obj.size, obj.used)
+                index.remember_placed(obj.key, obj.size, obj.used)
             elif (exact and obj.used > e.last_used + 1e-3) or obj.size != e.size:
-                index.replace_if(obj.key, e, obj.size,
-                                 max(obj.used, e.last_used) if exact else e.last_used)
+                index.remember_placed(obj.key, obj.size,
+                                      max(obj.used, e.last_used) if exact else e.last_used, e)
 
     def _sweep(self, sweep: _Sweep) -> None:
         """Drop entries of the swept range its pages did not list (unless recorded since

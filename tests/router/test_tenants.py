@@ -98,20 +98,50 @@ def test_hostile_files_parse_or_raise_only_tenants_errors(text: str) -> None:
         assert m.entries and all(len(d) == 32 for d, _ in m.entries)
 
 
-def test_every_key_is_compared_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    m = tenants_of(KEYS)
-    calls: list[int] = []
+def _counting_compares(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The lengths of what each ``hmac.compare_digest`` call compares."""
+    calls: list[tuple[int, int]] = []
     real = hmac.compare_digest
 
     def counting(a: bytes, b: bytes) -> bool:
-        calls.append(1)
+        calls.append((len(a), len(b)))
         return bool(real(a, b))
 
     monkeypatch.setattr(hmac, "compare_digest", counting)
-    for token in (ACME, GLOBEX, "nobody-at-all-xxxxxxxx"):
+    return calls
+
+
+def test_a_tenant_key_is_one_lookup_by_its_digest_whatever_the_number_of_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """O(1) per request, refused ones included: the map is a dict keyed by each key's
+    SHA-256, and a lookup's time depends only on the presented token's digest, never on
+    how much of a key it shares (issue 32 review item 10: N comparisons per request)."""
+    many = {f"sk-tenant-{i:012d}-xxxx": f"t{i % 7}" for i in range(20_000)}
+    m = tenants_of({**many, **KEYS})
+    calls = _counting_compares(monkeypatch)
+    for token, want in ((ACME, "acme"), (GLOBEX, "globex"), ("nobody-at-all-xxxxxxxx", None),
+                        ("sk-tenant-000000019999-xxxx", "t0")):
         calls.clear()
-        m.authenticate(token)
-        assert len(calls) == len(KEYS)  # no early exit on the first key's match
+        assert m.authenticate(token) == want
+        assert len(calls) <= 1 and all(n == (32, 32) for n in calls)
+
+
+def test_the_single_api_key_is_compared_by_digest_never_as_raw_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Raw tokens of different lengths made ``compare_digest`` return early, telling a
+    caller the key's length (issue 32 review item 10)."""
+    from kvtier.router.guard import Authenticator
+
+    auth = Authenticator(ACME, None)
+    assert ACME.encode() not in vars(auth).values()  # only its digest is kept
+    calls = _counting_compares(monkeypatch)
+    for token, ok in (("x", False), (ACME, True), (ACME + "y" * 100, False),
+                      (ACME[:-1] + "0", False)):
+        calls.clear()
+        assert auth.identify(token) == (ok, None)
+        assert calls == [(32, 32)]
 
 
 def test_salts_are_stable_and_distinct() -> None:
@@ -197,6 +227,30 @@ def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_previous_keys(
             assert 'kvtier_router_tenant_reloads_total{result="error"} 1.0' in text
     run(scenario)
     assert "tenants.yaml: not valid YAML" in caplog.text and "keeping the previous" in caplog.text
+
+
+def test_a_request_without_a_key_is_refused_before_any_other_work(tenants_file: Path) -> None:
+    """No bearer token: refused at once, without looking at the tenants file (issue 32
+    review item 10: every request, refused ones too, paid for the registry's look)."""
+    rotated = "sk-acme-rotated-key-9999"
+
+    async def reloads(h: Harness) -> str:
+        async with h.client.get("/metrics") as resp:
+            text = await resp.text()
+        return next(line for line in text.splitlines()
+                    if line.startswith('kvtier_router_tenant_reloads_total{result="ok"}'))
+
+    async def scenario() -> None:
+        async with harness(tenants=tenants_file) as h:
+            before = await reloads(h)
+            await rewrite(tenants_file, {rotated: "acme"})
+            h.clock.advance(1.0)
+            assert (await post(h, {"prompt": "x"}))[0] == 401
+            assert (await post(h, {"prompt": "x"}, Authorization="Basic abc"))[0] == 401
+            assert await reloads(h) == before  # the file was not looked at
+            assert await status_of(h, rotated) == 200  # a keyed request looks, and reloads
+            assert await reloads(h) != before
+    run(scenario)
 
 
 def test_sighup_reloads_at_once(tenants_file: Path) -> None:

@@ -153,6 +153,39 @@ def test_a_symlink_named_like_an_object_is_never_followed(
     assert elsewhere.get_into(key, np.empty(PAYLOAD, np.uint8).data) is not None
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_symlinked_directory_on_the_way_to_an_object_is_never_followed(
+    tmp_path: Path, root: Path, clock: ManualClock, level: int
+) -> None:
+    """``kv/xx`` (level 1) or ``kv/xx/yy`` (level 2) is a symlink to another store's
+    directory: no read, stamp, delete or write goes through it (issue 32 review item 10:
+    ``O_NOFOLLOW`` covered only the last component)."""
+    elsewhere = _tier(tmp_path / "elsewhere", clock)
+    key = _put(elsewhere, 3)
+    target = elsewhere.path_of(key)
+    before = os.stat(target).st_mtime
+    tier = _tier(root, clock)
+    link = tier.path_of(key).parents[2 - level]
+    theirs = target.parents[2 - level]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(theirs, target_is_directory=True)
+    their_files = sorted(theirs.rglob("*"))
+    assert tier.path_of(key).exists()  # through the link, as any path-based call sees it
+    clock.advance(100)
+    assert not tier.renew(key)
+    assert os.stat(target).st_mtime == before  # not stamped through the link
+    assert tier.read_meta(key) is None
+    assert tier.get_into(key, np.empty(PAYLOAD, np.uint8).data) is None
+    assert tier.contains_prefix([key]) == 0
+    assert tier.delete([key]) == 0 and target.exists()
+    assert tier.metrics.counts.corruptions >= 1
+    assert tier.put(meta_for(key), payload_for(key).data) is PutStatus.STORED
+    assert not link.is_symlink() and tier.path_of(key).is_file()  # its own directory now
+    assert sorted(theirs.rglob("*")) == their_files  # nothing written into the other store
+    assert os.stat(target).st_mtime == before
+    assert elsewhere.get_into(key, np.empty(PAYLOAD, np.uint8).data) is not None
+
+
 def test_the_start_scan_skips_fifos_and_symlinked_directories(
     tmp_path: Path, root: Path, clock: ManualClock, guard: FifoGuard
 ) -> None:

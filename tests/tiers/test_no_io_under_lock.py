@@ -71,12 +71,19 @@ class Gate:
 
 
 def collector_on(target: str | os.PathLike[str]) -> Callable[..., bool]:
-    """Selects calls on ``target`` (a path, an object name) made by the collector's thread."""
+    """Selects calls on ``target`` (a path, an object name) made by the collector's thread.
+    The file tier works relative to the object's directory (``dir_fd``): its name there
+    counts too, and so does its graveyard name (a conditional delete renames the victim,
+    re-stats it and unlinks it under that name)."""
     want = os.fspath(target)
+    base = os.path.basename(want)
 
     def match(first: Any = None, *_: Any, **__: Any) -> bool:
-        return (threading.current_thread().name == COLLECTOR
-                and isinstance(first, (str, os.PathLike)) and os.fspath(first) == want)
+        if threading.current_thread().name != COLLECTOR or \
+                not isinstance(first, (str, os.PathLike)):
+            return False
+        got = os.fspath(first)
+        return got in (want, base) or (got.startswith(f".{base}.") and got.endswith(".del.tmp"))
 
     return match
 

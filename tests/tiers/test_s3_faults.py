@@ -352,3 +352,43 @@ def test_transfer_threads_are_daemons(endpoint: str) -> None:
         assert parts and all(t.daemon for t in parts)
     finally:
         tier.close()
+
+
+def test_a_ranged_read_does_not_queue_behind_background_heads(endpoint: str) -> None:
+    """Collection's HEADs of a batch (here held at the endpoint's door by a botocore
+    event hook, as a slow endpoint would) fill every background thread and queue more;
+    a restore's ranged GETs meanwhile run on threads of their own and finish (issue 32
+    review item 6: they queued in the one ``s3-parts`` pool behind the HEADs)."""
+    import threading
+
+    tier = _tier(endpoint, part_size=5 * MiB, max_concurrency=2)
+    release, held = threading.Event(), threading.Semaphore(0)
+
+    def hold_head(**_: Any) -> None:
+        if not release.is_set():
+            held.release()
+            release.wait(60)
+
+    heads: threading.Thread | None = None
+    try:
+        assert _put(tier, 1, BIG) is PutStatus.STORED
+        keys = [make_key(100 + i) for i in range(12)]
+        tier.io.client.meta.events.register("before-send.s3.HeadObject", hold_head)
+        heads = threading.Thread(target=tier.objects.heads, args=(keys,), daemon=True)
+        heads.start()
+        for _ in range(3):  # the collector's own thread and both background threads
+            assert held.acquire(timeout=30)
+        got: list[np.ndarray | None] = []
+        reader = threading.Thread(target=lambda: got.append(_get(tier, 1, BIG)), daemon=True)
+        t0 = time.perf_counter()
+        reader.start()
+        reader.join(timeout=20)
+        took = time.perf_counter() - t0
+        assert got, f"the read waited {took:.1f} s behind the held HEADs"
+        assert got[0] is not None
+        np.testing.assert_array_equal(got[0], payload_for(make_key(1), BIG))
+    finally:
+        release.set()
+        if heads is not None:
+            heads.join(timeout=30)
+        tier.close()

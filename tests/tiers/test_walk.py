@@ -152,3 +152,49 @@ def test_tick_budgets_are_validated() -> None:
         TickBudget(0, 1.0)
     with pytest.raises(ValueError, match="tick seconds"):
         TickBudget(1, 0.0)
+
+
+def test_a_put_into_a_leaf_created_after_its_top_directory_was_read_survives_the_sweep(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A top-level directory's leaves are read once, by the tick that enters it, and
+    carried to later ticks: a leaf created after that read lies in a later page's range
+    without being listed. What this node recorded there since the read must not be swept
+    (issue 32 review item 9)."""
+    tier = FileTier(tmp_path, 1 << 40, clock=clock, tick=TickBudget(1, 3600.0))
+    first, second = leaf_key(7, 1), leaf_key(7, 5)
+    for key in (first, second):
+        _put(tier, key)
+    tier.expire(1e9)  # empty top directories, then leaf 07/01: its one object ends the tick
+    assert tier.passes == 0 and tier.indexed(first)
+    late = leaf_key(7, 8)  # a new leaf, after the one the cursor carries (07/05)
+    _put(tier, late)
+    while tier.passes == 0:
+        tier.expire(1e9)  # leaf 07/05's page covers 07/05..07/ff, listing only 07/05
+    assert tier.indexed(late) and tier.indexed(first) and tier.indexed(second)
+    tier.expire(1e9)
+    assert tier.indexed(late)  # the next pass lists the new leaf itself
+
+
+def test_objects_the_walk_finds_take_their_place_by_mtime_in_the_eviction_order(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """On a shared directory, another node's object that the walk finds goes where its
+    mtime puts it, not at the hot end: this node's own, newer, unused object is not
+    evicted before it (issue 32 review item 8)."""
+    a = FileTier(tmp_path, 1 << 40, clock=clock, touch_interval=0.0)
+    b = FileTier(tmp_path, 1 << 40, clock=clock, touch_interval=0.0)
+    other, own, newest = leaf_key(1, 1), leaf_key(2, 2), leaf_key(3, 3)
+    _put(b, other)  # another node's, at t=0
+    clock.advance(1000)
+    _put(a, own)  # this node's, never read again
+    clock.advance(1000)
+    a.rescan()  # finds the other node's object
+    assert a.indexed(other)
+    assert [k for k, _ in a.index.coldest(2)] == [other, own]
+    size = a.usage().bytes // 2
+    a.capacity = int(2.5 * size)  # a third object is one too many
+    _put(a, newest)
+    assert not a.indexed(other) and a.indexed(own) and a.indexed(newest)
+    assert not (tmp_path / "kv" / "01" / "01").exists() or \
+        not any((tmp_path / "kv" / "01" / "01").iterdir())
