@@ -305,9 +305,12 @@ class LayerLoads:
 
     def _fail(self, k: int, layer: int | None) -> None:
         op = self._ops[k]
+        self._failed[k] = True
+        if op.slot < 0:  # the scheduler's "fail this request's load": not an error here
+            log.debug("kvtier: a load failed on purpose (slot %d)", op.slot)
+            return
         log.exception("kvtier: load of slot %d into blocks %s failed (%s)", op.slot,
                       op.block_ids, "all layers" if layer is None else f"layer {layer}")
-        self._failed[k] = True
 
     def _pieces(self, op: ChunkCopy, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(contiguous source bytes, 3-D block view) pairs covering one layer of ``op``."""

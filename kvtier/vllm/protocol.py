@@ -8,9 +8,13 @@ partial tail (a chunk's first ``span`` blocks, packed at the slot's start:
 ``kvtier.ops.stepcopy.StepCopier``). ``group`` is the KV-cache group whose layers and
 block table the op copies (a hybrid model's; 0 otherwise).
 
-A hybrid model's loads are asynchronous (``KVTierMetadata.async_loads``): vLLM holds the
-requests in ``WAITING_FOR_REMOTE_KVS`` until the worker reports each one received (or
-failed: vLLM cannot map a block-level error to a request when there are several groups).
+A hybrid model's loads are asynchronous (``KVTierMetadata.async_loads``), and so is a
+restore streamed through a bounded window of host slots (``KVTierMetadata.async_reqs``,
+``kvtier/vllm/stream.py``): vLLM holds the requests in ``WAITING_FOR_REMOTE_KVS`` until
+the worker reports each one received (or failed: vLLM cannot map a block-level error to a
+request when there are several groups, and recomputes the request). A streamed request's
+loads arrive over several steps: while its id is in ``KVTierMetadata.more``, more of its
+loads follow, and the worker does not report it received.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[CopyOp] = field(default_factory=list)  # KV cache -> host slot, this step
     #: the loads are of requests vLLM holds until the worker reports them received
     async_loads: bool = False
+    #: requests whose loads this step are asynchronous although ``async_loads`` is
+    #: False (streamed restores of a one-group model)
+    async_reqs: list[str] = field(default_factory=list)
+    #: asynchronously loading requests whose loads continue in a later step
+    more: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -31,7 +31,7 @@ Invariants: a chunk is never saved twice (lookup before reserve); a load covers 
 chunks whose bytes are held in host memory; whatever fails, vLLM recomputes.
 
 Threads: every hook runs on vLLM's scheduler thread and does no I/O; store futures
-complete on IO threads and are only polled here (``_release_when_done`` may run on an IO
+complete on IO threads and are only polled here (``release_when_done`` may run on an IO
 thread: releasing a ``Held`` is thread-safe).
 """
 
@@ -67,6 +67,13 @@ from kvtier.vllm.identity import PENDING, Pending, RequestIdentities, RequestIde
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import attach_host_pool
 from kvtier.vllm.stopsignal import chain_stop_signals
+from kvtier.vllm.stream import (
+    STREAM_WINDOW_MAX,
+    Advance,
+    ChunkCopy,
+    StreamedLoad,
+    release_when_done,
+)
 from kvtier.vllm.threshold import StepTimer, threshold_policy
 from kvtier.vllm.waitbound import WaitBound
 from kvtier.vllm.window import saveable, window_parts
@@ -104,13 +111,6 @@ def _saveable_tokens(request: Any) -> int:
     ``num_computed_tokens`` ran ahead (speculative drafts not verified, async scheduling's
     in-flight step)."""
     return max(0, min(int(request.num_computed_tokens), int(request.num_tokens) - 1))
-
-
-def _release_when_done(fut: Future[Held]) -> None:
-    """Release a staging that was abandoned. A failed one holds no slots (``store.load``
-    releases them before it fails)."""
-    if not fut.cancelled() and fut.exception() is None:
-        fut.result().release()
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,9 @@ class _Lookup:
     #: vLLM's own hit when this lookup started: a window or hybrid prefix staged for it
     #: holds nothing below it, so a smaller hit later needs a new lookup
     asked_at: int = 0
+    #: a restore longer than the staging cap (``stream.py``): every entry (chunks, then
+    #: the tail) and its spec; ``future`` stages only the first of them
+    stream: tuple[Lookup, list[ChunkSpec]] | None = None
 
 
 #: ``_probes`` key suffix of a request's probe for its tail (after the chunks' probe).
@@ -268,6 +271,11 @@ class SchedulerSide:
         self._capped: dict[str, float] = {}
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
+        #: a restore of more entries than the staging cap is streamed through this many
+        #: host slots (``stream.py``)
+        self._stream_window = max(1, min(STREAM_WINDOW_MAX, self._staged_cap))
+        self._streams: dict[str, StreamedLoad] = {}  # req -> its streamed restore
+        self._async_reqs: list[str] = []  # streamed requests with loads this step
         #: a load that read no chunk for this long is abandoned (the request recomputes)
         self.load_stall_s = (cfg.restore.load_timeout_seconds
                              + self.slot_bytes / (cfg.health.min_mib_per_second * 2**20))
@@ -477,7 +485,13 @@ class SchedulerSide:
             tail_blocks = tail.blocks
         lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
                      t0=t0, threshold=own, progress=self._progress(rid),
-                     chunks=d.chunks)
+                     chunks=len(specs))
+        if found.hits > self._staged_cap:
+            # more than the staging cap holds: stream it; its first entries are staged
+            # now, and prove the store answers before the whole prefix is claimed
+            lk.stream = (found, specs)
+            lk.chunks = max(1, self._stream_window // 2)
+            found, specs = found.head(lk.chunks), specs[: lk.chunks]
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
 
@@ -672,6 +686,7 @@ class SchedulerSide:
             # finished (aborted) while its asynchronous load is in flight: vLLM frees its
             # blocks when the load is reported; a save would free them a second time
             # (and they hold nothing computed yet)
+            self._key_cache.pop(rid, None)
             return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
         full = full_groups(self.geom)
         held_blocks = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
@@ -724,7 +739,7 @@ class SchedulerSide:
         if lk.held is not None:
             lk.held.release()
         if lk.future is not None:
-            lk.future.add_done_callback(_release_when_done)
+            lk.future.add_done_callback(release_when_done)
 
     # -- 1. lookup -------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -799,8 +814,11 @@ class SchedulerSide:
                 self._lookups.pop(rid, None)
                 return 0, False
         assert lk.held is not None
-        tokens = (lk.first_chunk + min(len(lk.held), lk.full)) * self.ct
-        if len(lk.held) > lk.full:  # the tail was read too
+        if lk.stream is not None and len(lk.held) < lk.chunks:
+            lk.stream = None  # its first entries did not all read: restore what did
+        held = lk.stream[0].hits if lk.stream is not None else len(lk.held)
+        tokens = (lk.first_chunk + min(held, lk.full)) * self.ct
+        if held > lk.full:  # the tail was read too
             tokens += lk.tail_blocks * self.bs
         if lk.parts or lk.pieces:  # a window or a hybrid prefix: all of it, or nothing
             tokens = lk.end if len(lk.held) == len(lk.parts or lk.pieces) else 0
@@ -814,8 +832,9 @@ class SchedulerSide:
             return 0, False
         lk.start_tokens = num_computed
         # a hybrid model's loads are asynchronous: a failed one must be reported per
-        # request (vLLM cannot map block-level errors to requests across groups)
-        return ext, bool(self.geom.groups)
+        # request (vLLM cannot map block-level errors to requests across groups); so is
+        # a streamed restore (its chunks arrive over several steps)
+        return ext, bool(self.geom.groups) or lk.stream is not None
 
     def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool, *,
                  alternatives: bool = False) -> bool:
@@ -913,8 +932,10 @@ class SchedulerSide:
         return progress
 
     def _staged_chunks(self) -> int:
-        """Host chunks held or being read for requests vLLM has not admitted yet."""
-        return sum(lk.chunks for lk in self._lookups.values())
+        """Host chunks held or being read for requests vLLM has not admitted yet, and
+        for streamed restores."""
+        return (sum(lk.chunks for lk in self._lookups.values())
+                + sum(st.in_flight() for st in self._streams.values()))
 
     def _release_stale_staging(self) -> None:
         """Release staged lookups vLLM did not admit within ``STAGED_STEPS`` steps (their
@@ -955,6 +976,9 @@ class SchedulerSide:
             return
         lo_blk = lk.start_tokens // self.bs
         hi_blk = (lk.start_tokens + num_external) // self.bs
+        if lk.stream is not None:
+            self._start_stream(rid, lk, block_ids, lo_blk, hi_blk)
+            return
         by_tier: dict[str, int] = {}
         for c in range(lo_blk // self.bpc, -(-hi_blk // self.bpc)):
             lo, hi = max(lo_blk, c * self.bpc), min(hi_blk, (c + 1) * self.bpc)
@@ -975,6 +999,66 @@ class SchedulerSide:
             num_external / self.ct * self.slot_bytes / 2**20, staged_ms,
         )
 
+    def _start_stream(self, rid: str, lk: _Lookup, block_ids: Sequence[int], lo_blk: int,
+                      hi_blk: int) -> None:
+        """A streamed restore admitted: its first entries' copy ops go out with this step,
+        the rest follow as ``_advance_streams`` reads them (``stream.py``)."""
+        assert lk.held is not None and lk.stream is not None
+        found, specs = lk.stream
+        copies: list[ChunkCopy | None] = []
+        for idx in range(found.hits):
+            c = lk.first_chunk + idx
+            lo, hi = max(lo_blk, c * self.bpc), min(hi_blk, (c + 1) * self.bpc)
+            span = lk.tail_blocks if idx == lk.full else 0
+            copies.append(ChunkCopy(list(block_ids[lo:hi]), lo - c * self.bpc, span)
+                          if lo < hi else None)
+        st = StreamedLoad(rid, found, specs, copies, self._stream_window, self.bs,
+                          lambda: LoadProgress(self.clock))
+        st.span_tokens = (lk.start_tokens, hi_blk * self.bs)
+        out = Advance()
+        st.hand_out(lk.held, out)
+        self._streams[rid] = st
+        self._take(rid, out)
+        self._recving.add(rid)
+        self._async_blocks[rid] = hi_blk - lo_blk
+        by_tier: dict[str, int] = {}
+        for idx, tier in enumerate(found.tiers):
+            copy = copies[idx]
+            if copy is not None:
+                name = self.store.tiers[tier].name
+                by_tier[name] = by_tier.get(name, 0) + len(copy.block_ids) * self.bs
+        record_restore(by_tier)
+        staged_ms = (time.perf_counter() - lk.t0) * 1e3
+        self._restored[rid] = (by_tier, staged_ms)
+        log.info("kvtier: streaming %d tokens for %s (%s) through %d host slots; first "
+                 "%d chunks staged in %.1f ms", (hi_blk - lo_blk) * self.bs, rid,
+                 ", ".join(f"{t} {n}" for t, n in by_tier.items()), st.window,
+                 len(lk.held), staged_ms)
+
+    def _take(self, rid: str, out: Advance) -> None:
+        """A stream's step: its ops and holds go out with the next metadata."""
+        if out.ops:
+            self._loads.extend(out.ops)
+            self._async_reqs.append(rid)
+        self._load_holds.extend(out.holds)
+
+    def _advance_streams(self) -> None:
+        """Every streamed restore moves on (``StreamedLoad.advance``); one whose read
+        failed or stalled ends with a load that fails on purpose (vLLM recomputes it)."""
+        now = self.clock.monotonic()
+        for rid, st in list(self._streams.items()):
+            lo, hi = st.span_tokens
+            stall_s = self.waits.seconds(self.load_stall_s, lo, hi, now)
+            out = st.advance(self.store, stall_s)
+            self._take(rid, out)
+            if out.failed:
+                self.waits.missed(now)
+                record_drop("load_timeout")
+                log.warning("kvtier: streamed restore of %s could not read chunk %d of %d; "
+                            "vLLM recomputes it", rid, st.next, st.found.hits)
+            if out.ended:
+                del self._streams[rid]
+
     # -- 4. the eviction hook ---------------------------------------------------------------
     def request_finished(
         self, request: Any, block_ids: Sequence[int]
@@ -991,7 +1075,13 @@ class SchedulerSide:
         renewed), plus restore statistics.
         """
         rid = request.request_id
+        recving = rid in self._recving
         restored, restore_ms, seen_epoch = self._end_request(rid)
+        if recving:
+            # finished (aborted) while its streamed restore is in flight: its blocks hold
+            # nothing computed yet, and vLLM frees them when the load is reported
+            self._key_cache.pop(rid, None)
+            return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
         n_blocks = min(_saveable_tokens(request) // self.bs, len(block_ids))
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
@@ -1032,6 +1122,9 @@ class SchedulerSide:
         """A finished (or aborted) request's per-request state is dropped: returns what it
         restored (by tier), its staging time and the weights epoch it was first seen in."""
         self._forget(rid)
+        st = self._streams.pop(rid, None)
+        if st is not None:
+            st.cancel()  # the worker reports it received once its copies are done
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
         self._probes.pop(rid + TAIL_PROBE, None)
@@ -1230,11 +1323,14 @@ class SchedulerSide:
             self.flusher.busy()
         if self.step_timer is not None and scheduler_output is not None:
             self.step_timer.built(self._step, scheduler_output, self._loads)
+        if self._streams:
+            self._advance_streams()
         meta = KVTierMetadata(self._step, self._loads, self._to_save,
-                              async_loads=bool(self.geom.groups))
+                              async_loads=bool(self.geom.groups),
+                              async_reqs=self._async_reqs, more=sorted(self._streams))
         if self._load_holds:
             self._holds_by_step[self._step] = self._load_holds
-        self._loads, self._to_save, self._load_holds = [], [], []
+        self._loads, self._to_save, self._load_holds, self._async_reqs = [], [], [], []
         return meta
 
     def on_worker_output(self, finished_sending: set[str] | None, worker_meta: Any, *,
@@ -1249,6 +1345,9 @@ class SchedulerSide:
         self._recving.difference_update(finished_recving or ())
         for rid in failed_loads or ():
             log.warning("kvtier: restore of %s failed; vLLM recomputes it", rid)
+            st = self._streams.pop(rid, None)
+            if st is not None:
+                st.cancel()
             record_failed_loads(self._async_blocks.pop(rid, 0))
             self._recving.discard(rid)
             self._load_failed.add(rid)  # vLLM asks again: the answer is 0 from now on
@@ -1264,6 +1363,8 @@ class SchedulerSide:
                 self._load_acks.pop(step, None)
                 for held in self._holds_by_step.pop(step, []):
                     held.release()
+            if self._streams:  # slots came back: the next reads start now
+                self._advance_streams()
             # a rank's failure comes with its own report; the save is finished (below)
             # only once every rank has reported it, possibly steps later
             self._failed_saves.update(r for r in worker_meta.failed_saves if r in self._saves)
@@ -1343,6 +1444,8 @@ class SchedulerSide:
         t0 = time.monotonic()
         for rid in list(self._lookups):
             self._forget(rid)
+        for st in self._streams.values():
+            st.cancel()
         if self.flusher is not None:
             self.flusher.close(timeout=budget)
         self.store.shutdown(max(0.0, budget - (time.monotonic() - t0)))

@@ -93,6 +93,8 @@ class WorkerSide:
         # Asynchronous loads (a hybrid model's): request -> its loads, until reported
         self._recving: dict[str, list[tuple[LayerLoads, CopyOp]]] = {}
         self._recv_failed: set[str] = set()  # failed, not reported received yet
+        #: streamed requests whose loads continue in a later step (``KVTierMetadata.more``)
+        self._more: set[str] = set()
         self._failed_now: set[str] = set()  # failed, reported received by get_finished
         self._ran_step = 0  # the step run() last ran, until worker_meta reports it
         #: steps with loads that failed to start on this rank (acknowledged as loaded
@@ -225,30 +227,17 @@ class WorkerSide:
         self._ran_step = meta.step
         if self._loads is not None:  # no wait_for_save since the last step: be safe
             self.end_forward()
-        started: dict[int, LayerLoads] = {}
-        for group, ops in self._by_group(meta.loads).items():
-            try:
-                loads = self._copier_of(group).start_loads(ops)
-            except TierError:
-                log.exception("kvtier: loads of %s failed", sorted({o.req_id for o in ops}))
-                if meta.async_loads:  # reported per request: vLLM recomputes them
-                    self._recv_failed.update(op.req_id for op in ops)
-                else:  # reported per block, as a copy that failed would be
-                    self._load_errors.update(b for op in ops for b in op.block_ids)
-                # this rank reads none of their slots: the step is acknowledged anyway,
-                # or its host slots would stay held (the ack counts every rank)
-                self._failed_steps.add(meta.step)
-                continue
-            if not loads.empty:
-                started[group] = loads
-            if meta.async_loads:
-                for op in ops:
-                    self._recving.setdefault(op.req_id, []).append((loads, op))
-        if meta.async_loads:
-            for loads in started.values():
-                loads.finish()
-                self._loading.append((meta.step, loads))
-        elif started:
+        self._more = set(meta.more)
+        async_reqs = set(meta.async_reqs)
+        sync_ops: list[CopyOp] = []
+        async_ops: list[CopyOp] = []
+        for op in meta.loads:
+            (async_ops if meta.async_loads or op.req_id in async_reqs else sync_ops).append(op)
+        for loads in self._start_loads(meta.step, async_ops, asynchronous=True).values():
+            loads.finish()  # their requests are not in this forward: issued whole now
+            self._loading.append((meta.step, loads))
+        started = self._start_loads(meta.step, sync_ops, asynchronous=False)
+        if started:
             self._loads, self._loads_step = started, meta.step
             if not (layer_by_layer and self._per_layer_seen):
                 for loads in started.values():
@@ -259,6 +248,34 @@ class WorkerSide:
                          "layers)", self.copier.issue, len(self.layer_names))
         self._start_saves(meta.saves)
         self._copy_s += time.perf_counter() - t0
+
+    def _start_loads(self, step: int, ops: list[CopyOp], *,
+                     asynchronous: bool) -> dict[int, LayerLoads]:
+        """Start ``ops`` (one batch per KV-cache group): the batches that copy anything.
+        An asynchronous op is remembered under its request until ``get_finished``
+        reports it. A group whose batch cannot start fails its ops: asynchronous ones per
+        request (vLLM recomputes them), synchronous ones per block, as a copy that failed
+        would be; the step is acknowledged anyway (this rank reads none of those slots,
+        and the ack counts every rank)."""
+        started: dict[int, LayerLoads] = {}
+        for group, group_ops in self._by_group(ops).items():
+            try:
+                loads = self._copier_of(group).start_loads(group_ops)
+            except TierError:
+                log.exception("kvtier: loads of %s failed",
+                              sorted({o.req_id for o in group_ops}))
+                if asynchronous:
+                    self._recv_failed.update(op.req_id for op in group_ops)
+                else:
+                    self._load_errors.update(b for op in group_ops for b in op.block_ids)
+                self._failed_steps.add(step)
+                continue
+            if not loads.empty:
+                started[group] = loads
+            if asynchronous:
+                for op in group_ops:
+                    self._recving.setdefault(op.req_id, []).append((loads, op))
+        return started
 
     def _copier_of(self, group: int) -> StepCopier:
         if not 0 <= group < len(self._copiers):
@@ -365,13 +382,15 @@ class WorkerSide:
         self._finished -= ready
         self._failed_saves |= ready & self._failed
         self._failed -= ready
+        # a streamed request is reported once its last loads came (not in ``more``)
         received = {rid for rid, loads in self._recving.items()
-                    if all(ld.done() for ld, _ in loads)}
+                    if rid not in self._more and all(ld.done() for ld, _ in loads)}
         for rid in received:
             loads = self._recving.pop(rid)
             if any(any(f is op for f in ld.failed_ops()) for ld, op in loads):
                 self._recv_failed.add(rid)
-        received |= self._recv_failed - self._recving.keys()  # a group failed to start
+        # a group failed to start
+        received |= self._recv_failed - self._recving.keys() - self._more
         self._failed_now = self._recv_failed & received
         self._recv_failed -= received
         return (ready or None), (received or None)
