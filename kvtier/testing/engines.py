@@ -39,6 +39,24 @@ from kvtier.testing.models import read_marker
 DEFAULT_STARTUP_TIMEOUT_S = 240.0
 #: Seconds to wait for one request batch.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: Environment variable: a vLLM cache directory every engine started from this process
+#: tree shares (``VLLM_CACHE_ROOT``). vLLM keeps its model-class inspection there
+#: (``modelinfos/``); an empty cache makes each engine start run one more Python process
+#: that imports vLLM to inspect the class (about 10 s on two loaded cores). The test
+#: session sets it (tests/conftest.py); unset, each engine gets a cache of its own.
+SHARED_CACHE_ENV = "KVTIER_VLLM_CACHE_ROOT"
+#: Environment variable: a file each engine or API server start appends one line to
+#: (``<kind> <seconds to ready> <name>``); the test session reports the count.
+START_LOG_ENV = "KVTIER_ENGINE_START_LOG"
+
+
+def record_start(kind: str, seconds: float, name: str) -> None:
+    """Append one engine start to the file named by ``START_LOG_ENV``, if it is set.
+    Any thread or process may call it: each line is one ``write`` in append mode."""
+    path = os.environ.get(START_LOG_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(f"{kind} {seconds:.1f} {name}\n")
 
 
 def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[str, str]:
@@ -49,14 +67,16 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
     * ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: a ``kv_transfer_config`` otherwise reserves one
       more core, which changes the OpenMP thread count and therefore bf16 results.
     * ``VLLM_CACHE_ROOT`` / ``VLLM_RPC_BASE_PATH``: keep caches and IPC sockets under
-      ``tmpdir`` (both directories are created).
+      ``tmpdir`` (both directories are created); the cache is the shared one named by
+      ``SHARED_CACHE_ENV`` instead when that is set.
     * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
       ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
     """
     if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number >= 1, got {kv_cache_gib}")
     root = Path(tmpdir).absolute()
-    cache_root = root / "vllm-cache"
+    shared = os.environ.get(SHARED_CACHE_ENV)
+    cache_root = Path(shared) if shared else root / "vllm-cache"
     rpc_path = root / "vllm-rpc"
     tmp = root / "tmp"
     for d in (cache_root, rpc_path, tmp):
@@ -186,12 +206,15 @@ class LLMWorker:
             cwd=str(self.tmpdir),
         )
         threading.Thread(target=self._pump, daemon=True, name="llm-worker-stdout").start()
+        started = time.monotonic()
         msg = self._read(self.startup_timeout_s)
         if msg.get("event") != "ready":
+            record_start("failed", time.monotonic() - started, str(self.tmpdir))
             self.close()
             raise WorkerError(f"engine failed to start: {msg.get('error')}\n{self.log_tail()}")
         self.startup_s = float(msg["startup_s"])
         self.pid = int(msg["pid"])
+        record_start("engine", self.startup_s, str(self.tmpdir))
         return self
 
     def close(self, timeout_s: float = 60.0) -> int | None:

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import httpx
 
-from kvtier.testing.engines import engine_env
+from kvtier.testing.engines import engine_env, record_start
 
 #: Seconds to wait for ``/health`` (observed 25-110 s on a loaded 2-core machine).
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -130,7 +130,8 @@ class APIServer:
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline = started + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
@@ -139,6 +140,7 @@ class APIServer:
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    record_start("server", time.monotonic() - started, self.name)
                     return self
             except httpx.HTTPError:
                 pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,22 +19,11 @@ import httpx
 import pytest
 
 from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
-from kvtier.testing.models import build_tiny_llama
 from kvtier.vllm.settings import kv_transfer_config
 
 #: Blocks of 128 tokens: room for about two conversations of ~1.5K tokens.
 SMALL_KV_BLOCKS = 26
 MAX_MODEL_LEN = 2048
-
-
-@pytest.fixture(scope="session")
-def tiny_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +87,8 @@ def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
 
 @pytest.fixture(scope="module")
 def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Start engines on demand; all are shut down at the end of the module."""
+    """Start engines on demand; all are shut down at the end of the module, together
+    (each shutdown mostly waits on vLLM's process teardown, about 7 s)."""
     started: list[LLMWorker] = []
 
     def make(model: Path, config: Path, **kw: Any) -> LLMWorker:
@@ -106,8 +97,13 @@ def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         return w
 
     yield make
-    for w in started:
-        w.close()
+    close_all(started)
+
+
+def close_all(workers: list[LLMWorker]) -> None:
+    """Shut every engine down at once (each ``close`` runs in a thread of its own)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        list(pool.map(lambda w: w.close(), workers))
 
 
 def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:
