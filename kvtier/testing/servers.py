@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -123,15 +124,33 @@ class APIServer:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._launched = 0.0
 
     def start(self) -> APIServer:
+        """Launch the server and return once ``/health`` answers (see ``launch``)."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> APIServer:
+        """Start the server process and return at once; ``wait_ready`` waits for it. Two
+        servers launched before either is waited on start side by side (their start-up is
+        mostly single-threaded Python imports)."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} API server already launched")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        started = time.monotonic()
-        deadline = started + self.startup_timeout_s
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self) -> APIServer:
+        """Wait until ``/health`` answers 200 (the server is then ready); on a timeout or
+        an exit, stop it and raise with the tail of its log."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} API server was not launched")
+        deadline = self._launched + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
@@ -140,7 +159,7 @@ class APIServer:
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    record_start("server", time.monotonic() - started, self.name)
+                    record_start("server", time.monotonic() - self._launched, self.name)
                     return self
             except httpx.HTTPError:
                 pass
@@ -218,6 +237,31 @@ class APIServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def servers_started(*servers: APIServer) -> Iterator[tuple[APIServer, ...]]:
+    """Start ``servers`` side by side and stop all of them when the block exits; yields
+    them once every one answers ``/health``. If one fails to start, all are stopped and
+    its error is raised."""
+    try:
+        for srv in servers:
+            srv.launch()
+        for srv in servers:
+            srv.wait_ready()
+        yield servers
+    finally:
+        stop_all(servers)
+
+
+def stop_all(servers: Sequence[APIServer]) -> None:
+    """``stop`` every server at once (each in a thread of its own), so one server's
+    shutdown grace does not delay the others' signal."""
+    threads = [threading.Thread(target=srv.stop, name=f"stop-{srv.name}") for srv in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @contextmanager
