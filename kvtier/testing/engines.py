@@ -188,10 +188,18 @@ class LLMWorker:
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._launched = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> LLMWorker:
+        """Launch the engine and return once it is ready (see ``launch``)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> LLMWorker:
+        """Start the worker process and return at once; ``wait_ready`` waits for the
+        engine. Engines launched before any is waited on start side by side (start-up is
+        mostly single-threaded Python imports)."""
         if self._proc is not None:
             raise WorkerError("worker already started")
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in close()
@@ -206,12 +214,23 @@ class LLMWorker:
             cwd=str(self.tmpdir),
         )
         threading.Thread(target=self._pump, daemon=True, name="llm-worker-stdout").start()
-        started = time.monotonic()
-        msg = self._read(self.startup_timeout_s)
-        if msg.get("event") != "ready":
-            record_start("failed", time.monotonic() - started, str(self.tmpdir))
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self) -> LLMWorker:
+        """Wait for the engine's ready line; if it fails to start, close the worker and
+        raise ``WorkerError`` with the error and the tail of its log."""
+        if self._proc is None:
+            raise WorkerError("worker was not launched")
+        try:
+            msg = self._read(self.startup_timeout_s - (time.monotonic() - self._launched))
+            if msg.get("event") != "ready":
+                raise WorkerError(f"engine failed to start: {msg.get('error')}\n"
+                                  f"{self.log_tail()}")
+        except WorkerError:
+            record_start("failed", time.monotonic() - self._launched, str(self.tmpdir))
             self.close()
-            raise WorkerError(f"engine failed to start: {msg.get('error')}\n{self.log_tail()}")
+            raise
         self.startup_s = float(msg["startup_s"])
         self.pid = int(msg["pid"])
         record_start("engine", self.startup_s, str(self.tmpdir))
@@ -370,6 +389,21 @@ class LLMWorker:
             if not isinstance(msg, dict):
                 raise WorkerError(f"bad line from worker: {line[:200]}")
             return msg
+
+
+def start_side_by_side(*workers: LLMWorker) -> tuple[LLMWorker, ...]:
+    """Launch every worker, then wait for each: their start-ups overlap. If one fails,
+    every worker is closed and its ``WorkerError`` is raised."""
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.wait_ready()
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
 
 
 def tokens(n: int, *, seed: int = 0, vocab: int = 512, low: int = 3) -> list[int]:
