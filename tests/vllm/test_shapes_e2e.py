@@ -55,9 +55,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def engines(engine_factory: EngineFactory, stores: dict[str, Path],
+def engines(engine_factory: EngineFactory, stores: dict[str, Path], models_dir: Path,
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLMWorker]:
-    models = tmp_path_factory.mktemp("models")
+    models = models_dir
     cfg = tmp_path_factory.mktemp("cfg")
     mistral = build_tiny_mistral(models / "mistral", sliding_window=WINDOW)
     gemma2 = build_tiny_gemma2(models / "gemma2", sliding_window=WINDOW, layers=4)

@@ -54,9 +54,9 @@ def tp2_engine(engine_factory: Callable[..., LLMWorker], model: Path, store: Pat
 
 @pytest.fixture(scope="module")
 def engines(engine_factory: EngineFactory, tiny_fp32: Path, store: Path, mla_store: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> list[LLMWorker]:
+            models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LLMWorker]:
     """The Llama and the MLA engine, both TP=2, started side by side."""
-    model = build_tiny_deepseek_v2(tmp_path_factory.mktemp("models") / "ds2-fp32")
+    model = build_tiny_deepseek_v2(models_dir / "ds2-fp32")
     cfg = tmp_path_factory.mktemp("cfg")
     return engine_factory.side_by_side(
         tp2_spec(tiny_fp32, store, cfg / "tp.yaml"),
