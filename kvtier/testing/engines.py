@@ -217,13 +217,15 @@ class LLMWorker:
         self._launched = time.monotonic()
         return self
 
-    def wait_ready(self) -> LLMWorker:
-        """Wait for the engine's ready line; if it fails to start, close the worker and
+    def wait_ready(self, timeout_s: float | None = None) -> LLMWorker:
+        """Wait for the engine's ready line, at most ``timeout_s`` (default
+        ``startup_timeout_s``) after the launch; if it fails to start, close the worker and
         raise ``WorkerError`` with the error and the tail of its log."""
         if self._proc is None:
             raise WorkerError("worker was not launched")
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
         try:
-            msg = self._read(self.startup_timeout_s - (time.monotonic() - self._launched))
+            msg = self._read(limit - (time.monotonic() - self._launched))
             if msg.get("event") != "ready":
                 raise WorkerError(f"engine failed to start: {msg.get('error')}\n"
                                   f"{self.log_tail()}")
@@ -392,13 +394,14 @@ class LLMWorker:
 
 
 def start_side_by_side(*workers: LLMWorker) -> tuple[LLMWorker, ...]:
-    """Launch every worker, then wait for each: their start-ups overlap. If one fails,
-    every worker is closed and its ``WorkerError`` is raised."""
+    """Launch every worker, then wait for each: their start-ups overlap. ``n`` starts share
+    the cores, so each may take up to ``n`` times its own ``startup_timeout_s``. If one
+    fails, every worker is closed and its ``WorkerError`` is raised."""
     try:
         for w in workers:
             w.launch()
         for w in workers:
-            w.wait_ready()
+            w.wait_ready(w.startup_timeout_s * len(workers))
     except BaseException:
         for w in workers:
             w.close()

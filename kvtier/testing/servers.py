@@ -145,12 +145,14 @@ class APIServer:
         self._launched = time.monotonic()
         return self
 
-    def wait_ready(self) -> APIServer:
-        """Wait until ``/health`` answers 200 (the server is then ready); on a timeout or
-        an exit, stop it and raise with the tail of its log."""
+    def wait_ready(self, timeout_s: float | None = None) -> APIServer:
+        """Wait until ``/health`` answers 200 (the server is then ready), at most
+        ``timeout_s`` (default ``startup_timeout_s``) after the launch; on a timeout or an
+        exit, stop it and raise with the tail of its log."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} API server was not launched")
-        deadline = self._launched + self.startup_timeout_s
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = self._launched + limit
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
@@ -166,7 +168,7 @@ class APIServer:
             time.sleep(0.5)  # polling a subprocess, not driving test time
         self.stop()
         raise TimeoutError(
-            f"{self.name} API server not healthy after {self.startup_timeout_s:.0f} s:\n"
+            f"{self.name} API server not healthy after {limit:.0f} s:\n"
             f"{self.log_tail()}"
         )
 
@@ -242,13 +244,14 @@ class APIServer:
 @contextmanager
 def servers_started(*servers: APIServer) -> Iterator[tuple[APIServer, ...]]:
     """Start ``servers`` side by side and stop all of them when the block exits; yields
-    them once every one answers ``/health``. If one fails to start, all are stopped and
-    its error is raised."""
+    them once every one answers ``/health``. ``n`` starts share the cores, so each may take
+    up to ``n`` times its own ``startup_timeout_s``. If one fails to start, all are
+    stopped and its error is raised."""
     try:
         for srv in servers:
             srv.launch()
         for srv in servers:
-            srv.wait_ready()
+            srv.wait_ready(srv.startup_timeout_s * len(servers))
         yield servers
     finally:
         stop_all(servers)
