@@ -40,6 +40,7 @@ from __future__ import annotations
 from kvtier.vllm.scheduler.finish import Finish
 from kvtier.vllm.scheduler.lookup import Lookups
 from kvtier.vllm.scheduler.records import PROBE_INTERVAL_S, STAGED_STEPS, TAIL_PROBE
+from kvtier.vllm.scheduler.shapes import Shape, shape_of
 from kvtier.vllm.scheduler.shutdown import Shutdown
 from kvtier.vllm.scheduler.steps import Steps
 
@@ -49,3 +50,6 @@ __all__ = ["PROBE_INTERVAL_S", "STAGED_STEPS", "TAIL_PROBE", "SchedulerSide"]
 class SchedulerSide(Lookups, Steps, Finish, Shutdown):
     """The connector's scheduler side: every room of ``kvtier.vllm.scheduler`` over one
     state. The class the connector and tests use."""
+
+    def _shape(self) -> Shape:
+        return shape_of(self)

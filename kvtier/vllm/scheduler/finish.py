@@ -55,9 +55,16 @@ class Finish(Saves):
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
             tail_blocks = 0
-        if self.geom.window:
-            return self._window_finished(request, n_chunks, tail_blocks, block_ids,
-                                         seen_epoch, restored, restore_ms)
+        return self.shape.finish(request, n_chunks, tail_blocks, block_ids, seen_epoch,
+                                 restored, restore_ms)
+
+    def _chunk_finished(
+        self, request: Any, n_chunks: int, tail_blocks: int, block_ids: Sequence[int],
+        seen_epoch: int, restored: dict[str, int], restore_ms: float,
+    ) -> tuple[bool, dict[str, Any]]:
+        """``request_finished`` of a full-attention (or MLA) model: save its whole chunks
+        not stored yet, then its tail (``_save``)."""
+        rid = request.request_id
         try:
             got = self._keys(request, n_chunks * self.ct)
         except Unsupported:
@@ -92,8 +99,19 @@ class Finish(Saves):
     ) -> tuple[bool, dict[str, Any]]:
         """``request_finished_all_groups``: one group goes to ``request_finished``; a
         hybrid model saves the pieces of the prefix the request ends (``hybrid.py``)."""
-        if not self.geom.groups:
-            return self.request_finished(request, block_ids[0])
+        return self.shape.finish_groups(request, block_ids)
+
+    def _one_group_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any]]:
+        """``request_finished_groups`` of a single-group model: ``request_finished``."""
+        return self.request_finished(request, block_ids[0])
+
+    def _hybrid_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any]]:
+        """``request_finished_groups`` of a hybrid model: save the pieces of the prefix
+        the request ends, every group's (``hybrid.py``)."""
         rid = request.request_id
         recving = rid in self._recving
         restored, restore_ms, seen_epoch = self._end_request(rid)

@@ -43,21 +43,29 @@ class Loads(RequestKeys):
             self._forget(rid)
             return
         del self._lookups[rid]
-        if lk.pieces:
-            self._hybrid_loads(rid, lk, blocks.get_block_ids(), num_external)
-            return
-        block_ids = blocks.get_block_ids()[0]
-        if lk.parts:
-            self._window_loads(rid, lk, block_ids, num_external)
-            self._load_holds.append(lk.held)
-            tier = self.store.tiers[lk.held.from_tier[0]].name
-            record_restore({tier: num_external})
-            staged_ms = (time.perf_counter() - lk.t0) * 1e3
-            self._restored[rid] = ({tier: num_external}, staged_ms)
-            log.info("kvtier: restoring %d tokens for %s from a %d-block window (%s), "
-                     "staged in %.1f ms", num_external, rid,
-                     sum(n for _, n in lk.parts), tier, staged_ms)
-            return
+        self.shape.loads(rid, lk, blocks.get_block_ids(), num_external)
+
+    def _window_restore(self, rid: str, lk: _Lookup, groups: Sequence[Sequence[int]],
+                        num_external: int) -> None:
+        """A sliding-window model's restore admitted: its window's copy ops
+        (``_window_loads``), its holds released when the worker has copied them."""
+        assert lk.held is not None
+        self._window_loads(rid, lk, groups[0], num_external)
+        self._load_holds.append(lk.held)
+        tier = self.store.tiers[lk.held.from_tier[0]].name
+        record_restore({tier: num_external})
+        staged_ms = (time.perf_counter() - lk.t0) * 1e3
+        self._restored[rid] = ({tier: num_external}, staged_ms)
+        log.info("kvtier: restoring %d tokens for %s from a %d-block window (%s), "
+                 "staged in %.1f ms", num_external, rid,
+                 sum(n for _, n in lk.parts), tier, staged_ms)
+
+    def _chunk_loads(self, rid: str, lk: _Lookup, groups: Sequence[Sequence[int]],
+                     num_external: int) -> None:
+        """A full-attention (or MLA) model's restore admitted: a copy op per staged chunk
+        (and the tail) past vLLM's own hit, or a streamed restore's first ones."""
+        assert lk.held is not None
+        block_ids = groups[0]
         lo_blk = lk.start_tokens // self.bs
         hi_blk = (lk.start_tokens + num_external) // self.bs
         if lk.stream is not None:

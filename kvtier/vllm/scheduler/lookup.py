@@ -57,9 +57,7 @@ class Lookups(ShapeStarts):
             if got is PENDING:
                 return None, False
             ns, keys = got
-            start = (self._hybrid_start if self.geom.groups else
-                     self._window_start if self.geom.window else self._chunk_start)
-            started = start(request, ns, keys, num_computed, limit)
+            started = self.shape.start(request, ns, keys, num_computed, limit)
             if not isinstance(started, _Lookup):
                 return started
             lk = started
@@ -119,4 +117,4 @@ class Lookups(ShapeStarts):
         # a hybrid model's loads are asynchronous: a failed one must be reported per
         # request (vLLM cannot map block-level errors to requests across groups); so is
         # a streamed restore (its chunks arrive over several steps)
-        return ext, bool(self.geom.groups) or lk.stream is not None
+        return ext, self.shape.async_loads or lk.stream is not None

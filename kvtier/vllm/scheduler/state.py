@@ -36,6 +36,7 @@ from kvtier.vllm.scheduler.records import (
     _request_threshold,
     _Save,
 )
+from kvtier.vllm.scheduler.shapes import Shape
 from kvtier.vllm.shm import attach_host_pool
 from kvtier.vllm.stopsignal import chain_stop_signals
 from kvtier.vllm.stream import (
@@ -66,6 +67,8 @@ class SchedulerState:
     ) -> None:
         self.cfg = cfg
         self.geom = geometry
+        #: the model's shape: its start, loads and finish, picked once (``shapes.py``)
+        self.shape: Shape = self._shape()
         self.ns = namespace
         self.ct = cfg.chunk_tokens
         self.bs = geometry.block_size
@@ -134,6 +137,11 @@ class SchedulerState:
             if store is None:  # the engine's own store: run in the background, and
                 self.flusher.start()  # start flushing at the first stop signal
                 chain_stop_signals(self.flusher.request_stop)
+
+    def _shape(self) -> Shape:
+        """The model's shape (``shapes.shape_of``), answered by ``SchedulerSide``: it
+        names methods of every room."""
+        raise NotImplementedError
 
     def _build_store(self, pool_path: Any) -> TieredStore:
         """The store over the worker's pool (it created, touched and page-locked it)."""

@@ -31,7 +31,7 @@ class Steps(Loads):
         if self._streams:
             self._advance_streams()
         meta = KVTierMetadata(self._step, self._loads, self._to_save,
-                              async_loads=bool(self.geom.groups),
+                              async_loads=self.shape.async_loads,
                               async_reqs=self._async_reqs, more=sorted(self._streams))
         if self._load_holds:
             self._holds_by_step[self._step] = self._load_holds
