@@ -16,9 +16,9 @@ from kvtier.vllm.hybrid import full_groups, saveable_groups
 from kvtier.vllm.identity import PENDING, Unsupported
 from kvtier.vllm.scheduler.records import (
     TAIL_PROBE,
-    _Piece,
     _request_params,
     _saveable_tokens,
+    _SavePiece,
 )
 from kvtier.vllm.scheduler.save import Saves
 from kvtier.vllm.window import saveable
@@ -80,7 +80,7 @@ class Finish(Saves):
             meta = self._tail_spec(ns, tail_blocks).meta(
                 key, keys[n_chunks - 1] if n_chunks else None)
             lo = n_chunks * self.bpc
-            tail = _Piece(key, meta, list(block_ids[lo : lo + tail_blocks]), tail_blocks)
+            tail = _SavePiece(key, meta, list(block_ids[lo : lo + tail_blocks]), tail_blocks)
         wanted = (n_chunks or tail) and _request_params(request).get("save") is not False
         saved, held = (self._save(rid, request, ns, keys, block_ids, tail) if wanted
                        else (0, 0))
@@ -153,7 +153,7 @@ class Finish(Saves):
                       "storing nothing", rid)
             self._key_cache.pop(rid, None)
             return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
-        saves = [_Piece(p.key, self._group_spec(ns, p.group, p.blocks).meta(p.key, p.parent),
+        saves = [_SavePiece(p.key, self._group_spec(ns, p.group, p.blocks).meta(p.key, p.parent),
                         list(block_ids[p.group][p.first : p.first + p.blocks]), p.span,
                         p.group) for p in pieces]
         stored = self.store.lookup_indexed([p.key for p in saves]).hits
@@ -195,7 +195,7 @@ class Finish(Saves):
                 # part i's parent is part i - 1, part 0's the piece ending the prefix:
                 # ``last_key`` names the last part, and a lease renewal walks the window
                 prevs = [last, *part_keys[:-1]]
-                pieces = [_Piece(k, self._tail_spec(ns, n).meta(k, prev),
+                pieces = [_SavePiece(k, self._tail_spec(ns, n).meta(k, prev),
                                  list(block_ids[b : b + n]), n if n < self.bpc else 0)
                           for k, prev, (b, n) in zip(part_keys, prevs, parts, strict=True)]
                 stored = self.store.lookup_indexed(part_keys).hits

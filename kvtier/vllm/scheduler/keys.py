@@ -14,8 +14,8 @@ from kvtier.vllm.hybrid import Piece, prefix_pieces
 from kvtier.vllm.identity import PENDING, Pending, Unsupported
 from kvtier.vllm.scheduler.records import (
     WINDOW_TAIL_CHUNKS,
+    _FoundTail,
     _Keys,
-    _Tail,
 )
 from kvtier.vllm.scheduler.state import SchedulerState
 from kvtier.vllm.window import window_parts
@@ -115,14 +115,14 @@ class RequestKeys(SchedulerState):
                 if lo + k * self.bs > num_computed]
 
     def _find_tail(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
-                   num_computed: int, limit: int) -> _Tail | None:
+                   num_computed: int, limit: int) -> _FoundTail | None:
         """The longest stored tail of chunk ``chunk`` (the first one not stored whole)
         that would restore something past ``num_computed`` below ``limit``. Memory only:
         the candidates looked up in the indexes."""
         for k, key in self._tail_candidates(request, keys, chunk, num_computed, limit):
             found = self.store.lookup_indexed([key])
             if found.hits:
-                return _Tail(chunk, k, key, found.tiers[0])
+                return _FoundTail(chunk, k, key, found.tiers[0])
         return None
 
     def _window_keys(self, end_key: ChunkKey, end: int) -> tuple[list[tuple[int, int]],

@@ -18,7 +18,7 @@ from kvtier.metrics import (
 from kvtier.store import LoadProgress
 from kvtier.vllm.protocol import CopyOp
 from kvtier.vllm.scheduler.keys import RequestKeys
-from kvtier.vllm.scheduler.records import _Lookup
+from kvtier.vllm.scheduler.records import _Staging
 from kvtier.vllm.stream import (
     Advance,
     ChunkCopy,
@@ -45,7 +45,7 @@ class Loads(RequestKeys):
         del self._lookups[rid]
         self.shape.loads(rid, lk, blocks.get_block_ids(), num_external)
 
-    def _window_restore(self, rid: str, lk: _Lookup, groups: Sequence[Sequence[int]],
+    def _window_restore(self, rid: str, lk: _Staging, groups: Sequence[Sequence[int]],
                         num_external: int) -> None:
         """A sliding-window model's restore admitted: its window's copy ops
         (``_window_loads``), its holds released when the worker has copied them."""
@@ -60,7 +60,7 @@ class Loads(RequestKeys):
                  "staged in %.1f ms", num_external, rid,
                  sum(n for _, n in lk.parts), tier, staged_ms)
 
-    def _chunk_loads(self, rid: str, lk: _Lookup, groups: Sequence[Sequence[int]],
+    def _chunk_loads(self, rid: str, lk: _Staging, groups: Sequence[Sequence[int]],
                      num_external: int) -> None:
         """A full-attention (or MLA) model's restore admitted: a copy op per staged chunk
         (and the tail) past vLLM's own hit, or a streamed restore's first ones."""
@@ -91,7 +91,7 @@ class Loads(RequestKeys):
             num_external / self.ct * self.slot_bytes / 2**20, staged_ms,
         )
 
-    def _window_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[int],
+    def _window_loads(self, rid: str, lk: _Staging, block_ids: Sequence[int],
                       num_external: int) -> None:
         """Copy ops for a staged window: the window's blocks past vLLM's own hit (those
         before the window are vLLM's null block, and nothing is copied into them)."""
@@ -111,7 +111,7 @@ class Loads(RequestKeys):
                                           list(block_ids[a:b]), a - first,
                                           n if n < self.bpc else 0))
 
-    def _hybrid_loads(self, rid: str, lk: _Lookup, block_ids: Sequence[Sequence[int]],
+    def _hybrid_loads(self, rid: str, lk: _Staging, block_ids: Sequence[Sequence[int]],
                       num_external: int) -> None:
         """Copy ops for a staged hybrid prefix: each piece's blocks past vLLM's own hit,
         into its group's blocks. The loads are asynchronous: vLLM holds the request until
@@ -156,7 +156,7 @@ class Loads(RequestKeys):
                  len(self.geom.groups), ", ".join(f"{t} {n}" for t, n in by_tier.items()),
                  staged_ms)
 
-    def _start_stream(self, rid: str, lk: _Lookup, block_ids: Sequence[int], lo_blk: int,
+    def _start_stream(self, rid: str, lk: _Staging, block_ids: Sequence[int], lo_blk: int,
                       hi_blk: int) -> None:
         """A streamed restore admitted: its first entries' copy ops go out with this step,
         the rest follow as ``_advance_streams`` reads them (``stream.py``)."""

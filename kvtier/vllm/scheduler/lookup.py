@@ -16,8 +16,8 @@ from kvtier.metrics import (
 )
 from kvtier.vllm.identity import PENDING, Unsupported
 from kvtier.vllm.scheduler.records import (
-    _Lookup,
     _request_params,
+    _Staging,
 )
 from kvtier.vllm.scheduler.starts import ShapeStarts
 
@@ -58,7 +58,7 @@ class Lookups(ShapeStarts):
                 return None, False
             ns, keys = got
             started = self.shape.start(request, ns, keys, num_computed, limit)
-            if not isinstance(started, _Lookup):
+            if not isinstance(started, _Staging):
                 return started
             lk = started
             self._lookups[rid] = lk

@@ -52,9 +52,9 @@ def _saveable_tokens(request: Any) -> int:
 
 
 @dataclass(frozen=True)
-class _Tail:
-    """A partial tail: the first ``blocks`` blocks of chunk ``chunk`` (``keys.tail_key``);
-    ``tier`` is where a lookup found it."""
+class _FoundTail:
+    """A stored partial tail a lookup found: the first ``blocks`` blocks of chunk
+    ``chunk`` (``keys.tail_key``); ``tier`` is where."""
 
     chunk: int
     blocks: int
@@ -63,8 +63,10 @@ class _Tail:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """One thing a finishing request saves: a whole chunk (``span`` 0) or its tail."""
+class _SavePiece:
+    """One thing a finishing request saves: a whole chunk (``span`` 0) or its tail, a
+    window part, a hybrid piece, with the meta it is committed under and the blocks it is
+    copied from (``hybrid.Piece`` only says where a piece lies in a prefix)."""
 
     key: ChunkKey
     meta: ChunkMeta
@@ -74,9 +76,10 @@ class _Piece:
 
 
 @dataclass
-class _Lookup:
-    """A request between its lookup and its block allocation. It stages ``full`` whole
-    chunks from ``first_chunk`` on, then, if ``tail_blocks``, the next chunk's tail."""
+class _Staging:
+    """A request's staging, between its lookup and its block allocation (the store's
+    ``Lookup`` only says where keys are). It stages ``full`` whole chunks from
+    ``first_chunk`` on, then, if ``tail_blocks``, the next chunk's tail."""
 
     keys: list[ChunkKey]
     first_chunk: int = 0

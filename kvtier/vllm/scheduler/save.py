@@ -18,8 +18,8 @@ from kvtier.store import WritePolicy
 from kvtier.vllm.protocol import CopyOp
 from kvtier.vllm.scheduler.keys import RequestKeys
 from kvtier.vllm.scheduler.records import (
-    _Piece,
     _Save,
+    _SavePiece,
 )
 
 
@@ -28,7 +28,7 @@ class Saves(RequestKeys):
 
     def _save(
         self, rid: str, request: Any, ns: bytes, keys: list[ChunkKey],
-        block_ids: Sequence[int], tail: _Piece | None,
+        block_ids: Sequence[int], tail: _SavePiece | None,
     ) -> tuple[int, int]:
         """Queue copies of the chunks not stored yet, then of the ``tail`` (if any).
         Returns (bytes to copy, length of the stored prefix in pieces: whole chunks, and
@@ -70,7 +70,7 @@ class Saves(RequestKeys):
             # tier's index knows.
             held = next((i for i, k in enumerate(keys[:stored]) if not any(
                 lt.tier.indexed(k) for lt in self.store.lower)), stored)
-        pieces = [_Piece(keys[c], self._meta(ns, keys, c),
+        pieces = [_SavePiece(keys[c], self._meta(ns, keys, c),
                          list(block_ids[c * self.bpc : (c + 1) * self.bpc]))
                   for c in range(stored, n_chunks)]
         if tail is not None:
@@ -79,7 +79,7 @@ class Saves(RequestKeys):
                                  supersede=self.tails, baseline=n_chunks * self.slot_bytes)
 
     def _save_pieces(self, rid: str, request: Any, keys: Sequence[ChunkKey],
-                     pieces: list[_Piece], stored: int, held: int, *,
+                     pieces: list[_SavePiece], stored: int, held: int, *,
                      supersede: bool, baseline: int) -> tuple[int, int]:
         """Reserve and queue ``pieces`` (the chain's pieces from number ``stored`` on;
         ``held`` of the chain are known stored), under ``_save``'s rules; ``baseline``:

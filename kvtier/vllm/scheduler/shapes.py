@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.keys import ChunkKey
-from kvtier.vllm.scheduler.records import _Lookup
+from kvtier.vllm.scheduler.records import _Staging
 
 if TYPE_CHECKING:
     from kvtier.vllm.scheduler_side import SchedulerSide
 
 #: (request, namespace digest, its chunk keys, vLLM's hit, token limit) -> its staging,
 #: or the lookup hook's answer (``starts.py``)
-Start = Callable[[Any, bytes, list[ChunkKey], int, int], _Lookup | tuple[int | None, bool]]
+Start = Callable[[Any, bytes, list[ChunkKey], int, int], _Staging | tuple[int | None, bool]]
 #: (request id, its staging, block ids per KV-cache group, tokens vLLM took) (``load.py``)
-Loads = Callable[[str, _Lookup, Sequence[Sequence[int]], int], None]
+Loads = Callable[[str, _Staging, Sequence[Sequence[int]], int], None]
 #: (request, whole chunks, tail blocks, block ids, epoch first seen, restored by tier,
 #: staging ms) -> ``request_finished``'s answer (``finish.py``)
 Finish = Callable[[Any, int, int, Sequence[int], int, dict[str, int], float],

@@ -1,7 +1,7 @@
 """Where a returning request's staging starts, per model shape: whole chunks (and a
 tail) for full attention and MLA, the window of the longest stored prefix for a
 sliding-window model, every group's pieces for a hybrid model. Each answers the
-request's ``_Lookup`` (its staging under way) or the hook's answer (0: nothing to
+request's ``_Staging`` (its staging under way) or the hook's answer (0: nothing to
 stage; None: ask again). Scheduler thread; memory only (store loads run on IO threads).
 """
 
@@ -19,7 +19,7 @@ from kvtier.vllm.hybrid import full_groups
 from kvtier.vllm.scheduler.probes import Probes
 from kvtier.vllm.scheduler.records import (
     TAIL_PROBE,
-    _Lookup,
+    _Staging,
 )
 
 log = logging.getLogger("kvtier.vllm")
@@ -29,9 +29,9 @@ class ShapeStarts(Probes):
     """The shape-specific starts of a lookup's staging."""
 
     def _chunk_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
-                     num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+                     num_computed: int, limit: int) -> _Staging | tuple[int | None, bool]:
         """Start staging the stored chunks (and tail) past vLLM's own hit: its
-        ``_Lookup``, or the hook's answer when there is nothing to stage (0) or it must
+        ``_Staging``, or the hook's answer when there is nothing to stage (0) or it must
         ask again (None: a probe or an announced chain pending, or no room now)."""
         rid = request.request_id
         first = num_computed // self.ct
@@ -93,7 +93,7 @@ class ShapeStarts(Probes):
             found = Lookup((*found.keys, tail.key), (*found.tiers, tail.tier))
             specs.append(self._tail_spec(ns, tail.blocks))
             tail_blocks = tail.blocks
-        lk = _Lookup(keys, first, full=full, tail_blocks=tail_blocks,
+        lk = _Staging(keys, first, full=full, tail_blocks=tail_blocks,
                      t0=t0, threshold=own, progress=self._progress(rid),
                      chunks=len(specs))
         if found.hits > self._staged_cap:
@@ -107,9 +107,9 @@ class ShapeStarts(Probes):
 
     def _stage_whole(self, request: Any, keys: list[ChunkKey], first: int,
                      num_computed: int, end: int, found: Lookup, specs: list[ChunkSpec],
-                     **staged: Any) -> _Lookup | tuple[int | None, bool]:
+                     **staged: Any) -> _Staging | tuple[int | None, bool]:
         """Start staging ``found`` (a prefix restored whole or not at all: a window, a
-        hybrid prefix) ending at token ``end``: its ``_Lookup`` (with ``staged``'s
+        hybrid prefix) ending at token ``end``: its ``_Staging`` (with ``staged``'s
         fields), or the hook's answer when it restores less than the fixed threshold (0)
         or staged KV is waiting for admission (None)."""
         own = self._own_threshold(request)
@@ -120,7 +120,7 @@ class ShapeStarts(Probes):
         if held and held + len(specs) > self._staged_cap:
             self._capped.setdefault(request.request_id, time.perf_counter())
             return None, False
-        lk = _Lookup(keys, first, threshold=own, progress=self._progress(request.request_id),
+        lk = _Staging(keys, first, threshold=own, progress=self._progress(request.request_id),
                      chunks=len(specs), end=end, asked_at=num_computed, **staged)
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
@@ -138,9 +138,9 @@ class ShapeStarts(Probes):
         return None
 
     def _window_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
-                      num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+                      num_computed: int, limit: int) -> _Staging | tuple[int | None, bool]:
         """Start staging the window of the longest stored prefix of a sliding-window
-        model's request: its ``_Lookup``, or the hook's answer when there is nothing to
+        model's request: its ``_Staging``, or the hook's answer when there is nothing to
         stage (0) or no room now (None). Lower tiers are not probed: a window stored by
         another node is found once the tier's index has it."""
         found = self._find_window(request, keys, num_computed, limit)
@@ -151,7 +151,7 @@ class ShapeStarts(Probes):
                                  [self._tail_spec(ns, b) for _, b in parts], parts=parts)
 
     def _hybrid_start(self, request: Any, ns: bytes, keys: list[ChunkKey],
-                      num_computed: int, limit: int) -> _Lookup | tuple[int | None, bool]:
+                      num_computed: int, limit: int) -> _Staging | tuple[int | None, bool]:
         """Start staging the longest stored prefix of a hybrid model's request past
         vLLM's own hit: every full-attention group's chunks (and tail) from that hit on,
         and every sliding-window group's window at its end (``hybrid.py``). Ends are

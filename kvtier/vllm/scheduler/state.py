@@ -30,11 +30,11 @@ from kvtier.vllm.protocol import CopyOp
 from kvtier.vllm.scheduler.records import (
     STAGED_FRACTION,
     _Keys,
-    _Lookup,
     _Probe,
     _request_params,
     _request_threshold,
     _Save,
+    _Staging,
 )
 from kvtier.vllm.scheduler.shapes import Shape
 from kvtier.vllm.shm import attach_host_pool
@@ -85,7 +85,7 @@ class SchedulerState:
         steps_model = self.policy.model or CostModel(warmup_steps=cfg.restore.auto_warmup_steps)
         self.step_timer: StepTimer | None = StepTimer(steps_model, self.slot_bytes // self.bpc)
         self.waits = WaitBound(steps_model.steps)
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, _Staging] = {}
         self._saves: dict[str, _Save] = {}
         self._loads: list[CopyOp] = []
         self._load_holds: list[Held] = []
