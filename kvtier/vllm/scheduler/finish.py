@@ -12,7 +12,7 @@ from typing import Any
 
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop
-from kvtier.vllm.hybrid import full_groups, saveable_groups
+from kvtier.vllm.hybrid import full_groups, local_groups, saveable_groups
 from kvtier.vllm.identity import PENDING, Unsupported
 from kvtier.vllm.scheduler.records import (
     TAIL_PROBE,
@@ -139,12 +139,13 @@ class Finish(Saves):
             return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
         ns, keys = got
         pieces = self._hybrid_pieces(request, keys, end, 0)
-        windows = [p for p in pieces if self.geom.groups[p.group].local]
+        local = local_groups(self.geom)
+        windows = [p for p in pieces if p.group in local]
         if not saveable_groups(self.geom, block_ids, windows):
             # a window group freed the window's first block (the corner): the chunks are
             # still worth keeping for longer prefixes; this end is not restorable
             record_drop("window_freed")
-            pieces = [p for p in pieces if not self.geom.groups[p.group].local]
+            pieces = [p for p in pieces if p.group not in local]
             complete = False
         else:
             complete = True

@@ -16,6 +16,7 @@ from kvtier.metrics import (
     record_restore,
 )
 from kvtier.store import LoadProgress
+from kvtier.vllm.hybrid import full_groups
 from kvtier.vllm.protocol import CopyOp
 from kvtier.vllm.scheduler.keys import RequestKeys
 from kvtier.vllm.scheduler.records import _Staging
@@ -129,8 +130,8 @@ class Loads(RequestKeys):
         nblocks = 0
         # tokens by tier: a full group's chunk or tail names its blocks' tier; blocks no
         # full group restores (a window-only model) count under the window's tier
-        first_full = next((p.group for p in lk.pieces if not self.geom.groups[p.group].local),
-                          None)
+        full = full_groups(self.geom)
+        first_full = next((p.group for p in lk.pieces if p.group in full), None)
         by_tier: dict[str, int] = {}
         for idx, p in enumerate(lk.pieces):
             a, b = max(lo, p.first), min(hi, p.first + p.blocks)
