@@ -3,6 +3,8 @@
 One per-engine state (``state.py``) and one mixin per job over it, each small enough to
 read at once:
 
+* ``shapes.py``: the model's shape (whole chunks, a sliding window, a hybrid model's
+  groups), read from the geometry once: which start, loads and finish the hooks take;
 * ``keys.py``: a request's identity and keys (chunks, tails, window parts, hybrid
   pieces) and what each stored object must be (specs, metas);
 * ``lookup.py``: ``get_num_new_matched_tokens``, where a returning request's restore
