@@ -293,12 +293,14 @@ def test_unchanged_files_are_stated_not_read_again(tmp_path: Path) -> None:
 
 def test_changed_files_are_pending_until_fingerprinted_again(tmp_path: Path) -> None:
     a = _adapter(tmp_path, "a", b"weights-1")
-    entered, gate = threading.Event(), threading.Event()
+    entered, gate, first_gate = threading.Event(), threading.Event(), threading.Event()
     calls = 0
 
     def gated(path: str) -> str:
         nonlocal calls
         calls += 1
+        if calls == 1:  # the first check may not finish before the first answer
+            first_gate.wait(10)
         if calls == 2:
             entered.set()
             gate.wait(10)
@@ -308,6 +310,7 @@ def test_changed_files_are_pending_until_fingerprinted_again(tmp_path: Path) -> 
     fps = AdapterFingerprints(gated, executor=pool, clock=clock, revalidate_s=1.0)
     try:
         assert fps.get("a", str(a)) is PENDING
+        first_gate.set()
         pool.drain()
         first = fps.get("a", str(a))
         (a / "adapter_model.safetensors").write_bytes(b"weights-22")
@@ -319,6 +322,7 @@ def test_changed_files_are_pending_until_fingerprinted_again(tmp_path: Path) -> 
         pool.drain()
         assert fps.get("a", str(a)) == adapter_fingerprint(a) != first
     finally:
+        first_gate.set()
         gate.set()
         fps.close()
 
