@@ -504,7 +504,10 @@ def note_hybrid_end(events: KVEvents, sched: Any, request: Any,
     end = n_chunks * sched.ct + tail * sched.bs
     if not end or len(keys) < n_chunks:
         return 0
-    pieces = sched._hybrid_pieces(request, keys[:n_chunks], end, 0)
+    try:
+        pieces = sched._hybrid_pieces(request, keys[:n_chunks], end, 0)
+    except KeyError:  # a tail-only prefix whose identity is pending: nothing is stored
+        return 0
     return events.note_pieces(request, [(p.key, p.group, p.first, p.blocks) for p in pieces])
 
 

@@ -406,6 +406,16 @@ def test_a_hybrid_piece_restored_by_another_request_is_published_from_its_payloa
          (SW, hashes[2 * BPC :])])
 
 
+def test_a_hybrid_prefix_shorter_than_a_chunk_publishes_its_tail_and_window(
+        henv: Any) -> None:
+    sched, ev, _ = henv
+    req = request("s", prompt(1, seed=14)[: 3 * BS + 1])  # no whole chunk: a 3-block tail
+    hybrid_save(sched, ev, req)
+    cpu = by_medium(ev.take(), BlockStored, "CPU")
+    assert sorted((e.group_idx, e.block_hashes, e.parent_block_hash) for e in cpu) == [
+        (SW, gpu_hashes(req)[:3], None), (FULL, gpu_hashes(req)[:3], None)]
+
+
 def test_group_meta_is_what_vllm_sets_per_group() -> None:
     import torch
     from vllm.v1.kv_cache_interface import (
