@@ -7,6 +7,10 @@ appear as ``CPU`` then ``STORAGE`` with the hashes vLLM published for the same b
 expiry run by another process (as kvtier's router or ``kvtier collect`` does) removes
 the objects, and the writer publishes the ``STORAGE`` removal once it notices (here: the
 returning conversation's read finds them gone), before it stores them again.
+
+A second server runs a hybrid model (tiny Gemma-2: a sliding-window group and a full
+group): each group's stored pieces appear as events of that group, as vLLM publishes
+the same blocks of that group on ``GPU``.
 """
 
 from __future__ import annotations
