@@ -489,14 +489,15 @@ def note_hybrid_end(events: KVEvents, sched: Any, request: Any,
     window parts are published once stored. Returns the pieces newly noted; 0 for one
     group, or when the request's keys are not known."""
     from kvtier.vllm.hybrid import full_groups
-    from kvtier.vllm.scheduler_side import _saveable_tokens
 
     geom = sched.geom
     if not geom.groups or not block_ids:
         return 0
     full = full_groups(geom)
     held = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
-    n_blocks = min(_saveable_tokens(request) // sched.bs, held)
+    # the saveable tokens: computed ones, never the last (sampled) token
+    saveable = max(0, min(int(request.num_computed_tokens), int(request.num_tokens) - 1))
+    n_blocks = min(saveable // sched.bs, held)
     n_chunks, tail = divmod(n_blocks, sched.bpc)
     if not sched.tails:
         tail = 0
