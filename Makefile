@@ -57,8 +57,13 @@ typecheck: $(STAMPS)/venv
 	$(PY) -m mypy
 
 # KVTIER_REQUIRE_CEPH=1: a missing Ceph fails the run instead of skipping its tests.
+# KVTIER_VLLM_CACHE_ROOT: vLLM's cache kept between runs (its entries are keyed by the
+# hash of vLLM's own source): each model architecture is inspected once, not once a run
+# (about 10 s each; kvtier/testing/engines.py). KVTIER_TEST_MODELS: the tiny test models,
+# kept too (a build is reused only while its spec hash matches; tests/conftest.py).
 unit: $(STAMPS)/venv native ceph
-	KVTIER_REQUIRE_CEPH=1 $(PY) -m pytest -q --durations=25
+	KVTIER_REQUIRE_CEPH=1 KVTIER_VLLM_CACHE_ROOT=$(CURDIR)/$(STAMPS)/vllm-cache \
+	  KVTIER_TEST_MODELS=$(CURDIR)/$(STAMPS)/test-models $(PY) -m pytest -q --durations=25
 
 test: $(STAMPS)/venv native cuda-check lint typecheck unit
 

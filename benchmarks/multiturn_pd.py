@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import describe
 from kvtier.testing.models import preset_model
-from kvtier.testing.servers import APIServer, router_process, split_cpus
+from kvtier.testing.servers import APIServer, router_process, servers_started, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -417,12 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         common: dict[str, Any] = {"model": model, "dtype": dtype, "max_model_len": max_len,
                                   "kv_cache_gib": 1}
         p_cpus, d_cpus = split_cpus(2)  # one machine: never bind both workers to one core
-        prefill = stack.enter_context(APIServer(
-            tmp, name="prefill", prefix_caching=False, cpus=p_cpus,
-            kv_transfer_config=kv_transfer_config(cfg, role="prefill"), **common))
-        decode = stack.enter_context(APIServer(
-            tmp, name="decode", prefix_caching=True, cpus=d_cpus,
-            kv_transfer_config=kv_transfer_config(cfg, role="decode"), **common))
+        prefill, decode = stack.enter_context(servers_started(
+            APIServer(tmp, name="prefill", prefix_caching=False, cpus=p_cpus,
+                      kv_transfer_config=kv_transfer_config(cfg, role="prefill"), **common),
+            APIServer(tmp, name="decode", prefix_caching=True, cpus=d_cpus,
+                      kv_transfer_config=kv_transfer_config(cfg, role="decode"), **common)))
         urls = {m: stack.enter_context(router(tmp, f"router-{m}", prefill.url, decode.url, cfg,
                                               dp_reuse=(m == "dp_on"),
                                               timeout_s=args.request_timeout))

@@ -16,7 +16,6 @@ import pytest
 from benchmarks import agents
 from benchmarks.agentsim.plan import PRESETS, Workload, make_plan
 from benchmarks.agentsim.report import overflow_time
-from kvtier.testing.models import build_tiny_llama
 from kvtier.testing.servers import APIServer
 from kvtier.vllm.settings import kv_transfer_config
 
@@ -49,9 +48,10 @@ def test_overflow_rule_takes_the_earliest_sign() -> None:
 
 
 @pytest.fixture(scope="module")
-def kvtier_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[APIServer]:
+def kvtier_server(tmp_path_factory: pytest.TempPathFactory,
+                  tiny_fp32: Path) -> Iterator[APIServer]:
     tmp = tmp_path_factory.mktemp("agents")
-    model = build_tiny_llama(tmp / "m", dtype="float32")
+    model = tiny_fp32
     cfg = agents.tier_config(tmp / "kvtier.yaml", tmp / "store", "64MiB")
     srv = APIServer(tmp, model=model, name="agents", dtype="float32", max_model_len=1024,
                     kv_transfer_config=kv_transfer_config(cfg), num_gpu_blocks_override=16)

@@ -68,10 +68,10 @@ def test_runs_must_belong_to_the_mode() -> None:
 
 
 @pytest.mark.vllm
-def test_pd_mode_smoke_runs_three_configurations(tmp_path: Path) -> None:
+def test_pd_mode_smoke_runs_three_configurations(tmp_path: Path, models_dir: Path) -> None:
     out = tmp_path / "out"
     stdout = run_benchmark("benchmarks/multiround_qa.py", "--mode", "pd", "--preset", "smoke",
-                           "--out-dir", str(out), "--cache-dir", str(tmp_path / "models"))
+                           "--out-dir", str(out), "--cache-dir", str(models_dir))
     rows = [json.loads(line) for line in (out / "multiround_pd.jsonl").read_text().splitlines()]
     assert {(r["run"], r["user"], r["round"]) for r in rows} == {
         (run, u, r) for run in PD_RUNS for u in range(3) for r in (1, 2)}

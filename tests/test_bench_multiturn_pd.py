@@ -11,10 +11,10 @@ from pathlib import Path
 from tests.benchrun import run_benchmark
 
 
-def test_smoke_preset_records_every_turn_and_dp_reuse(tmp_path: Path) -> None:
+def test_smoke_preset_records_every_turn_and_dp_reuse(tmp_path: Path, models_dir: Path) -> None:
     out = tmp_path / "out"
     stdout = run_benchmark("benchmarks/multiturn_pd.py", "--preset", "smoke",
-                           "--out-dir", str(out))
+                           "--out-dir", str(out), "--cache-dir", str(models_dir))
     rows = [json.loads(line) for line in (out / "multiturn_pd.jsonl").read_text().splitlines()]
     seen = {(r["mode"], r["length"], r["turn"]) for r in rows}
     assert seen == {(m, n, t) for m in ("dp_on", "dp_off") for n in (256, 512) for t in (1, 2)}

@@ -22,10 +22,10 @@ def test_tiers_benchmark_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_restore_vs_recompute_smoke(tmp_path: Path) -> None:
+def test_restore_vs_recompute_smoke(tmp_path: Path, models_dir: Path) -> None:
     text = run_benchmark("benchmarks/restore_vs_recompute.py", "--preset", "tiny", "--lengths",
                 "512,1024", "--tiers", "host,file", "--out-dir", str(tmp_path),
-                "--cache-dir", str(tmp_path / "models"))
+                "--cache-dir", str(models_dir))
     rows = [json.loads(line) for line in (tmp_path / "restore_vs_recompute.jsonl").open()]
     assert [r["tokens"] for r in rows] == [512, 1024]
     for r in rows:

@@ -21,9 +21,9 @@ KINDS = ("new", "returning")
 
 
 @pytest.mark.vllm
-def test_stall_benchmark_smoke(tmp_path: Path) -> None:
+def test_stall_benchmark_smoke(tmp_path: Path, models_dir: Path) -> None:
     stdout = run_benchmark("benchmarks/stall.py", "--smoke", "--out-dir", str(tmp_path),
-                           "--cache-dir", str(tmp_path / "models"), timeout=600)
+                           "--cache-dir", str(models_dir), timeout=600)
     report = json.loads((tmp_path / "stall.json").read_text())
 
     assert [(row["phase"], row["kind"]) for row in report["rows"]] == [

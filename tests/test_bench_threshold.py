@@ -14,9 +14,9 @@ from tests.benchrun import run_benchmark
 
 
 @pytest.mark.vllm
-def test_threshold_benchmark_smoke(tmp_path: Path) -> None:
+def test_threshold_benchmark_smoke(tmp_path: Path, models_dir: Path) -> None:
     stdout = run_benchmark("benchmarks/threshold.py", "--smoke", "--out-dir", str(tmp_path),
-                           "--cache-dir", str(tmp_path / "models"), timeout=600)
+                           "--cache-dir", str(models_dir), timeout=600)
     report = json.loads((tmp_path / "threshold.json").read_text())
     rows = report["rows"]
     assert [(row["tokens"], row["tier"]) for row in rows] == [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.engines import engine_env
+from kvtier.testing.engines import SHARED_CACHE_ENV, engine_env
 from kvtier.testing.models import (
     BENCH_90M,
     CPU_ATTN_HEAD_SIZES,
@@ -86,7 +86,8 @@ def test_tokenizer_loads_and_covers_vocab(tmp_path: Path) -> None:
     assert chat.endswith("<|assistant|>\n")
 
 
-def test_engine_env(tmp_path: Path) -> None:
+def test_engine_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SHARED_CACHE_ENV, raising=False)
     env = engine_env(tmp_path, 2)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
@@ -94,3 +95,9 @@ def test_engine_env(tmp_path: Path) -> None:
         assert Path(env[var]).is_dir() and Path(env[var]).is_relative_to(tmp_path)
     with pytest.raises(ValueError):
         engine_env(tmp_path, 0)
+    # A shared cache (the test session's): only the cache moves, sockets stay apart.
+    monkeypatch.setenv(SHARED_CACHE_ENV, str(tmp_path / "shared"))
+    env = engine_env(tmp_path / "e", 1)
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared")
+    assert Path(env["VLLM_CACHE_ROOT"]).is_dir()
+    assert Path(env["VLLM_RPC_BASE_PATH"]).is_relative_to(tmp_path / "e")

@@ -39,6 +39,24 @@ from kvtier.testing.models import read_marker
 DEFAULT_STARTUP_TIMEOUT_S = 240.0
 #: Seconds to wait for one request batch.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: Environment variable: a vLLM cache directory every engine started from this process
+#: tree shares (``VLLM_CACHE_ROOT``). vLLM keeps its model-class inspection there
+#: (``modelinfos/``); an empty cache makes each engine start run one more Python process
+#: that imports vLLM to inspect the class (about 10 s on two loaded cores). The test
+#: session sets it (tests/conftest.py); unset, each engine gets a cache of its own.
+SHARED_CACHE_ENV = "KVTIER_VLLM_CACHE_ROOT"
+#: Environment variable: a file each engine or API server start appends one line to
+#: (``<kind> <seconds to ready> <name>``); the test session reports the count.
+START_LOG_ENV = "KVTIER_ENGINE_START_LOG"
+
+
+def record_start(kind: str, seconds: float, name: str) -> None:
+    """Append one engine start to the file named by ``START_LOG_ENV``, if it is set.
+    Any thread or process may call it: each line is one ``write`` in append mode."""
+    path = os.environ.get(START_LOG_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(f"{kind} {seconds:.1f} {name}\n")
 
 
 def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[str, str]:
@@ -49,14 +67,16 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
     * ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: a ``kv_transfer_config`` otherwise reserves one
       more core, which changes the OpenMP thread count and therefore bf16 results.
     * ``VLLM_CACHE_ROOT`` / ``VLLM_RPC_BASE_PATH``: keep caches and IPC sockets under
-      ``tmpdir`` (both directories are created).
+      ``tmpdir`` (both directories are created); the cache is the shared one named by
+      ``SHARED_CACHE_ENV`` instead when that is set.
     * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
       ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
     """
     if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number >= 1, got {kv_cache_gib}")
     root = Path(tmpdir).absolute()
-    cache_root = root / "vllm-cache"
+    shared = os.environ.get(SHARED_CACHE_ENV)
+    cache_root = Path(shared) if shared else root / "vllm-cache"
     rpc_path = root / "vllm-rpc"
     tmp = root / "tmp"
     for d in (cache_root, rpc_path, tmp):
@@ -168,10 +188,18 @@ class LLMWorker:
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._launched = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> LLMWorker:
+        """Launch the engine and return once it is ready (see ``launch``)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> LLMWorker:
+        """Start the worker process and return at once; ``wait_ready`` waits for the
+        engine. Engines launched before any is waited on start side by side (start-up is
+        mostly single-threaded Python imports)."""
         if self._proc is not None:
             raise WorkerError("worker already started")
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in close()
@@ -186,12 +214,28 @@ class LLMWorker:
             cwd=str(self.tmpdir),
         )
         threading.Thread(target=self._pump, daemon=True, name="llm-worker-stdout").start()
-        msg = self._read(self.startup_timeout_s)
-        if msg.get("event") != "ready":
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> LLMWorker:
+        """Wait for the engine's ready line, at most ``timeout_s`` (default
+        ``startup_timeout_s``) after the launch; if it fails to start, close the worker and
+        raise ``WorkerError`` with the error and the tail of its log."""
+        if self._proc is None:
+            raise WorkerError("worker was not launched")
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
+        try:
+            msg = self._read(limit - (time.monotonic() - self._launched))
+            if msg.get("event") != "ready":
+                raise WorkerError(f"engine failed to start: {msg.get('error')}\n"
+                                  f"{self.log_tail()}")
+        except WorkerError:
+            record_start("failed", time.monotonic() - self._launched, str(self.tmpdir))
             self.close()
-            raise WorkerError(f"engine failed to start: {msg.get('error')}\n{self.log_tail()}")
+            raise
         self.startup_s = float(msg["startup_s"])
         self.pid = int(msg["pid"])
+        record_start("engine", self.startup_s, str(self.tmpdir))
         return self
 
     def close(self, timeout_s: float = 60.0) -> int | None:
@@ -347,6 +391,22 @@ class LLMWorker:
             if not isinstance(msg, dict):
                 raise WorkerError(f"bad line from worker: {line[:200]}")
             return msg
+
+
+def start_side_by_side(*workers: LLMWorker) -> tuple[LLMWorker, ...]:
+    """Launch every worker, then wait for each: their start-ups overlap. ``n`` starts share
+    the cores, so each may take up to ``n`` times its own ``startup_timeout_s``. If one
+    fails, every worker is closed and its ``WorkerError`` is raised."""
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.wait_ready(w.startup_timeout_s * len(workers))
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
 
 
 def tokens(n: int, *, seed: int = 0, vocab: int = 512, low: int = 3) -> list[int]:

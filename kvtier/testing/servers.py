@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from typing import IO, Any
 
 import httpx
 
-from kvtier.testing.engines import engine_env
+from kvtier.testing.engines import engine_env, record_start
 
 #: Seconds to wait for ``/health`` (observed 25-110 s on a loaded 2-core machine).
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -123,14 +124,35 @@ class APIServer:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._launched = 0.0
 
     def start(self) -> APIServer:
+        """Launch the server and return once ``/health`` answers (see ``launch``)."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> APIServer:
+        """Start the server process and return at once; ``wait_ready`` waits for it. Two
+        servers launched before either is waited on start side by side (their start-up is
+        mostly single-threaded Python imports)."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} API server already launched")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> APIServer:
+        """Wait until ``/health`` answers 200 (the server is then ready), at most
+        ``timeout_s`` (default ``startup_timeout_s``) after the launch; on a timeout or an
+        exit, stop it and raise with the tail of its log."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} API server was not launched")
+        limit = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = self._launched + limit
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
@@ -139,13 +161,14 @@ class APIServer:
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    record_start("server", time.monotonic() - self._launched, self.name)
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)  # polling a subprocess, not driving test time
         self.stop()
         raise TimeoutError(
-            f"{self.name} API server not healthy after {self.startup_timeout_s:.0f} s:\n"
+            f"{self.name} API server not healthy after {limit:.0f} s:\n"
             f"{self.log_tail()}"
         )
 
@@ -216,6 +239,32 @@ class APIServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def servers_started(*servers: APIServer) -> Iterator[tuple[APIServer, ...]]:
+    """Start ``servers`` side by side and stop all of them when the block exits; yields
+    them once every one answers ``/health``. ``n`` starts share the cores, so each may take
+    up to ``n`` times its own ``startup_timeout_s``. If one fails to start, all are
+    stopped and its error is raised."""
+    try:
+        for srv in servers:
+            srv.launch()
+        for srv in servers:
+            srv.wait_ready(srv.startup_timeout_s * len(servers))
+        yield servers
+    finally:
+        stop_all(servers)
+
+
+def stop_all(servers: Sequence[APIServer]) -> None:
+    """``stop`` every server at once (each in a thread of its own), so one server's
+    shutdown grace does not delay the others' signal."""
+    threads = [threading.Thread(target=srv.stop, name=f"stop-{srv.name}") for srv in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @contextmanager

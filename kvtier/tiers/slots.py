@@ -27,7 +27,8 @@ Invariants:
   and ``take_dirty`` take holds, ``release`` gives one back) or a WRITING one is never
   evicted or removed.
 * A ``dirty`` slot holds data not yet persisted to the write-back tiers; it is never
-  evicted, only spilled first (``take_dirty``) and then marked clean.
+  evicted, only spilled first (``take_dirty``), and marked clean once one write-back
+  tier holds it (one that every write-back tier failed stays dirty).
 * All methods are atomic under one lock and none does I/O, so any thread may call any
   of them; the lock is never held across a caller's work.
 

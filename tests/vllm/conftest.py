@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,23 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvtier.testing.engines import CompletionResult, LLMWorker, tokens
-from kvtier.testing.models import build_tiny_llama
+from kvtier.testing.engines import CompletionResult, LLMWorker, start_side_by_side, tokens
 from kvtier.vllm.settings import kv_transfer_config
 
 #: Blocks of 128 tokens: room for about two conversations of ~1.5K tokens.
 SMALL_KV_BLOCKS = 26
 MAX_MODEL_LEN = 2048
-
-
-@pytest.fixture(scope="session")
-def tiny_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -89,25 +79,53 @@ def two_conversations_return(engine: LLMWorker, store: Path, seed: int,
     return Returns(first, objects, got, refs)
 
 
-def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
+def engine_worker(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
+    """An engine on ``model`` with kvtier's ``config``, not started yet."""
     kw.setdefault("max_model_len", MAX_MODEL_LEN)
     kvt = kv_transfer_config(config)
-    return LLMWorker(tmp, model=str(model), kv_transfer_config=kvt, **kw).start()
+    return LLMWorker(tmp, model=str(model), kv_transfer_config=kvt, **kw)
+
+
+def start_engine(tmp: Path, model: Path, config: Path, **kw: Any) -> LLMWorker:
+    return engine_worker(tmp, model, config, **kw).start()
+
+
+class EngineFactory:
+    """``factory(model, config, **engine kwargs)`` starts one engine;
+    ``factory.side_by_side((model, config, kwargs), ...)`` starts several whose start-ups
+    overlap (each costs 15-45 s of mostly single-threaded imports). Every engine made is
+    shut down when ``close`` runs (the fixture's end), unless a test closed it before."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self.started: list[LLMWorker] = []
+
+    def __call__(self, model: Path, config: Path, **kw: Any) -> LLMWorker:
+        return self.side_by_side((model, config, kw))[0]
+
+    def side_by_side(self, *specs: tuple[Path, Path, dict[str, Any]]) -> list[LLMWorker]:
+        workers = [engine_worker(self._tmp.mktemp("engine"), m, c, **kw) for m, c, kw in specs]
+        start_side_by_side(*workers)
+        self.started += workers
+        return workers
+
+    def close(self) -> None:
+        close_all(self.started)
 
 
 @pytest.fixture(scope="module")
-def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Start engines on demand; all are shut down at the end of the module."""
-    started: list[LLMWorker] = []
+def engine_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFactory]:
+    """Start engines on demand; all are shut down at the end of the module, together
+    (each shutdown mostly waits on vLLM's process teardown, about 7 s)."""
+    factory = EngineFactory(tmp_path_factory)
+    yield factory
+    factory.close()
 
-    def make(model: Path, config: Path, **kw: Any) -> LLMWorker:
-        w = start_engine(tmp_path_factory.mktemp("engine"), model, config, **kw)
-        started.append(w)
-        return w
 
-    yield make
-    for w in started:
-        w.close()
+def close_all(workers: list[LLMWorker]) -> None:
+    """Shut every engine down at once (each ``close`` runs in a thread of its own)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        list(pool.map(lambda w: w.close(), workers))
 
 
 def reset_caches(client: httpx.Client, url: str, timeout_s: float = 60.0) -> None:

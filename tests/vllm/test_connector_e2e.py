@@ -1,10 +1,12 @@
 """KVTierConnector end to end in real vLLM: restore equals recompute, under eviction,
-across restarts, from S3 only, with corruption, and isolated by namespace."""
+from S3 or CephFS only, with corruption, and isolated by namespace. (A restarted engine
+restoring from disk only, token-identical: ``test_restart_e2e.py``, after every way a
+server stops.)"""
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +16,11 @@ from kvtier.testing.engines import CompletionResult, Conversation, LLMWorker, Wo
 from kvtier.vllm.settings import kv_transfer_config
 from tests.conftest import cephfs_dir
 from tests.tiers.s3_harness import BUCKET, rgw_endpoint
-from tests.vllm.conftest import SMALL_KV_BLOCKS, write_config
+from tests.vllm.conftest import SMALL_KV_BLOCKS, EngineFactory, write_config
 
 pytestmark = pytest.mark.vllm
 
 OUT = 24  # output tokens per turn
-
-#: The ``engine_factory`` fixture: (model, config, **engine kwargs) -> a started engine.
-EngineFactory = Callable[..., LLMWorker]
-
 
 def restored(r: CompletionResult) -> int:
     params: dict[str, Any] = r.kv_transfer_params or {}
@@ -42,15 +40,53 @@ def reference(engine: LLMWorker, prompt: list[int], salt: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fp32(engine_factory: EngineFactory, tiny_fp32: Path, shared_store: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "fp32.yaml",
+def bad_config_engine(tiny_fp32: Path) -> Iterator[LLMWorker]:
+    """An engine whose kvtier config is invalid, only launched: it fails to start while
+    the module's first engines start (``fp32_and_bf16`` asks for it first), and
+    ``test_bad_config_fails_at_engine_start`` reads how it failed."""
+    with tempfile.TemporaryDirectory(prefix="kvt-") as short:  # unix socket paths are short
+        tmp = Path(short)
+        cfg = write_config(tmp / "ok.yaml", [])
+        w = LLMWorker(tmp / "eng", model=str(tiny_fp32), max_model_len=2048,
+                      kv_transfer_config=kv_transfer_config(
+                          cfg, overrides={"tiers.0.host.capacity": "lots"}))
+        w.launch()
+        try:
+            yield w
+        finally:
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def fp32_and_bf16(engine_factory: EngineFactory, tiny_fp32: Path, tiny_bf16: Path,
+                  shared_store: Path, tmp_path_factory: pytest.TempPathFactory,
+                  bad_config_engine: LLMWorker) -> list[LLMWorker]:
+    """The module's two long-lived engines, started side by side (with the bad config's
+    failing start)."""
+    cfg = tmp_path_factory.mktemp("cfg")
+    fp32_cfg = write_config(
+        cfg / "fp32.yaml",
         [{"file": {"path": str(shared_store), "capacity": "1GiB", "write": "through"}}],
         reset_cache="host",  # resets leave prompts on the file tier only
     )
-    return engine_factory(tiny_fp32, cfg, enable_prefix_caching=True,
-                          num_gpu_blocks_override=SMALL_KV_BLOCKS)
+    bf16_cfg = write_config(
+        cfg / "bf16.yaml",
+        [{"file": {"path": str(shared_store), "capacity": "1GiB", "write": "through"}}],
+    )
+    return engine_factory.side_by_side(
+        (tiny_fp32, fp32_cfg, {"enable_prefix_caching": True,
+                               "num_gpu_blocks_override": SMALL_KV_BLOCKS}),
+        (tiny_bf16, bf16_cfg, {"enable_prefix_caching": True}))
+
+
+@pytest.fixture(scope="module")
+def fp32(fp32_and_bf16: list[LLMWorker]) -> LLMWorker:
+    return fp32_and_bf16[0]
+
+
+@pytest.fixture(scope="module")
+def bf16(fp32_and_bf16: list[LLMWorker]) -> LLMWorker:
+    return fp32_and_bf16[1]
 
 
 #: kvtier bypassed: what vLLM alone does on this engine (the harness checks below).
@@ -217,34 +253,6 @@ def test_corrupt_object_on_disk_means_recompute(fp32: LLMWorker, shared_store: P
     assert not all(f.exists() for f in new), "a corrupt object that was read is removed"
 
 
-def test_restart_restores_from_disk(engine_factory: EngineFactory, fp32: LLMWorker, tiny_fp32: Path,
-                                    shared_store: Path,
-                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    p = tokens(900, seed=61)
-    ref = reference(fp32, p, "ref-restart")
-    fp32.generate([p], max_tokens=OUT)  # written through to the shared directory
-    fp32.reset_until_done()  # the write-through has landed once it completes
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "restart.yaml",
-        [{"file": {"path": str(shared_store), "capacity": "1GiB"}}],
-    )
-    fresh = engine_factory(tiny_fp32, cfg, enable_prefix_caching=False)
-    r = fresh.generate([p], max_tokens=OUT).outputs[0]
-    assert restored(r) >= 768
-    assert tiers_used(r) == {"file1"}
-    assert r.token_ids == ref
-
-
-@pytest.fixture(scope="module")
-def bf16(engine_factory: EngineFactory, tiny_bf16: Path, shared_store: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
-    cfg = write_config(
-        tmp_path_factory.mktemp("cfg") / "bf16.yaml",
-        [{"file": {"path": str(shared_store), "capacity": "1GiB", "write": "through"}}],
-    )
-    return engine_factory(tiny_bf16, cfg, enable_prefix_caching=True)
-
-
 def test_bf16_restore_equals_vllm_prefix_cache_hit(bf16: LLMWorker) -> None:
     p = tokens(1000, seed=71)
     bf16.generate([p], max_tokens=OUT)
@@ -266,49 +274,42 @@ def test_other_dtype_gets_no_hit(fp32: LLMWorker, bf16: LLMWorker) -> None:
 
 # S3 on moto behind a real engine runs in the benchmark smokes (restore_vs_recompute's
 # S3 rung, and the stall benchmark's hung endpoint); here the real S3 server is RGW.
-@pytest.mark.parametrize("server", [
-    pytest.param("rgw", marks=[pytest.mark.s3, pytest.mark.ceph]),
-    pytest.param("cephfs", marks=pytest.mark.ceph),
-])
+@pytest.mark.s3
+@pytest.mark.ceph
 def test_one_lower_tier_on_a_storage_server(
-    server: str, engine_factory: EngineFactory, tiny_fp32: Path,
+    engine_factory: EngineFactory, tiny_fp32: Path,
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """The only lower tier is S3 (Ceph RGW: a real S3 server) or CephFS (a real shared
-    filesystem); what the host pool forgot comes back from it, token-identical."""
-    tier: dict[str, Any]
-    if server == "cephfs":
-        cluster = request.getfixturevalue("ceph")
-        tier = {"file": {"path": str(cephfs_dir(cluster, "e2e-store")), "capacity": "1GiB",
-                         "write": "through"}}
-        name = "file1"
-    else:
-        # Either fixture also puts test credentials in the environment.
-        endpoint = rgw_endpoint(request)
-        tier = {"s3": {"bucket": BUCKET, "prefix": "e2e/", "endpoint_url": endpoint,
-                       "region": "us-east-1", "path_style": True, "capacity": "1GiB",
-                       "write": "through", "part_size": "8MiB", "multipart_threshold": "64MiB"}}
-        name = "s31"
-    cfg = write_config(tmp_path_factory.mktemp("cfg") / f"{server}.yaml", [tier],
-                       reset_cache="host")
-    eng = engine_factory(tiny_fp32, cfg, enable_prefix_caching=False)
+    filesystem), one engine each (started side by side); what the host pool forgot comes
+    back from it, token-identical."""
+    cluster = request.getfixturevalue("ceph")
+    endpoint = rgw_endpoint(request)  # also puts test credentials in the environment
+    tiers: dict[str, tuple[str, dict[str, Any]]] = {
+        "rgw": ("s31", {"s3": {
+            "bucket": BUCKET, "prefix": "e2e/", "endpoint_url": endpoint,
+            "region": "us-east-1", "path_style": True, "capacity": "1GiB", "write": "through",
+            "part_size": "8MiB", "multipart_threshold": "64MiB"}}),
+        "cephfs": ("file1", {"file": {"path": str(cephfs_dir(cluster, "e2e-store")),
+                                      "capacity": "1GiB", "write": "through"}}),
+    }
+    cfg = tmp_path_factory.mktemp("cfg")
+    engines = engine_factory.side_by_side(*[
+        (tiny_fp32, write_config(cfg / f"{server}.yaml", [tier], reset_cache="host"),
+         {"enable_prefix_caching": False}) for server, (_, tier) in tiers.items()])
     p = tokens(900, seed=91)
-    first = eng.generate([p], max_tokens=OUT).outputs[0]
-    eng.reset_until_done()  # only the lower tier holds it now
-    r = eng.generate([p], max_tokens=OUT).outputs[0]
-    assert restored(r) >= 768
-    assert tiers_used(r) == {name}
-    assert r.token_ids == first.token_ids
-    eng.close()  # one engine per server: do not keep three alive until the module ends
+    for (server, (name, _)), eng in zip(tiers.items(), engines, strict=True):
+        first = eng.generate([p], max_tokens=OUT).outputs[0]
+        eng.reset_until_done()  # only the lower tier holds it now
+        r = eng.generate([p], max_tokens=OUT).outputs[0]
+        assert restored(r) >= 768, server
+        assert tiers_used(r) == {name}, server
+        assert r.token_ids == first.token_ids, server
+    for eng in engines:  # do not keep them alive until the module ends
+        eng.close()
 
 
-def test_bad_config_fails_at_engine_start(tiny_fp32: Path) -> None:
-    with tempfile.TemporaryDirectory(prefix="kvt-") as short:  # unix socket paths are short
-        tmp = Path(short)
-        cfg = write_config(tmp / "ok.yaml", [])
-        w = LLMWorker(tmp / "eng", model=str(tiny_fp32), max_model_len=2048,
-                      kv_transfer_config=kv_transfer_config(
-                          cfg, overrides={"tiers.0.host.capacity": "lots"}))
-        with pytest.raises(WorkerError) as e:
-            w.start()
-        assert "tiers[0].host.capacity" in str(e.value) + w.log_path.read_text()
+def test_bad_config_fails_at_engine_start(bad_config_engine: LLMWorker) -> None:
+    with pytest.raises(WorkerError) as e:
+        bad_config_engine.wait_ready()
+    assert "tiers[0].host.capacity" in str(e.value) + bad_config_engine.log_path.read_text()

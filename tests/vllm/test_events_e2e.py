@@ -8,6 +8,15 @@ expiry run by another process (as kvtier's router or ``kvtier collect`` does) re
 the objects, and the writer publishes the ``STORAGE`` removal once it notices (here: the
 returning conversation's read finds them gone), before it stores them again.
 
+kvtier's metrics on the same server's ``/metrics``, fed from the engine: a prompt is
+stored, vLLM's prefix cache and kvtier's host tier are reset (``POST
+/reset_prefix_cache?reset_external=true``, a dev endpoint: ``VLLM_SERVER_DEV_MODE=1``), and
+the same prompt is restored from the file tier. The API server's counters must then move
+by exactly what the response says was restored: before issue 12 they were the API
+server's own copies and stayed at zero. (One server for both: each API server start costs
+30-45 s on two cores. The metrics test runs second, so every counter has had the events
+test's evictions and expiry to count too.)
+
 A second server runs a hybrid model (tiny Gemma-2: a sliding-window group and a full
 group): each group's stored pieces appear as events of that group, as vLLM publishes
 the same blocks of that group on ``GPU``.
@@ -25,6 +34,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from kvtier.testing.engines import tokens
@@ -192,6 +202,87 @@ def test_cpu_then_storage_then_eviction_and_expiry_on_vllms_stream(
                     sum(h in e.block_hashes for e in ev if isinstance(e, BlockRemoved)
                         and e.medium == medium)
                 assert n in (0, 1), (medium, h, n)
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+#: Samples per series (with labels but without the engine's) -> value.
+Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+PROMPT = tokens(700, seed=1201)  # two full 256-token chunks (and a tail, not stored)
+BODY = {"model": "model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True}
+VLLM_LABELS = ("model_name", "engine")
+
+
+def scrape(client: httpx.Client, url: str) -> Samples:
+    """The ``kvtier_*`` samples on ``/metrics``."""
+    text = client.get(url + "/metrics").text
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvtier_"):
+                labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                      if k not in VLLM_LABELS))
+                out.setdefault(s.name, {})[labels] = s.value
+    return out
+
+
+def total(samples: Samples, name: str) -> float:
+    return sum(samples.get(name, {}).values())
+
+
+def complete_body(client: httpx.Client, url: str) -> dict[str, Any]:
+    r = client.post(url + "/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    params: dict[str, Any] = r.json()["kv_transfer_params"]["kvtier"]
+    return params
+
+
+def wait_for(client: httpx.Client, url: str, name: str, value: float,
+             timeout_s: float = 60.0) -> Samples:
+    """Scrape until ``name`` (summed over its labels) reaches ``value``; vLLM pushes stats
+    from the engine with each step's outputs, so this is normally immediate."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(client, url)
+        if total(samples, name) >= value or time.monotonic() >= deadline:
+            return samples
+        time.sleep(0.2)  # polling another process, not driving test time
+
+
+def test_restored_tokens_reach_the_api_servers_metrics(
+    served: tuple[APIServer, Stream, Path],
+) -> None:
+    server = served[0]
+    with httpx.Client(timeout=300) as client:
+        first = complete_body(client, server.url)
+        assert first["restored_tokens"] == 0
+        reset_caches(client, server.url)  # host tier dropped; the file tier keeps the chunks
+        before = scrape(client, server.url)
+        second = complete_body(client, server.url)
+        restored = second["restored_tokens"]
+        assert restored >= 512, second
+        target = total(before, "kvtier_restored_tokens_total") + restored
+        after = wait_for(client, server.url, "kvtier_restored_tokens_total", target)
+
+    assert total(after, "kvtier_restored_tokens_total") == target, "moved by exactly that"
+    for tier, n in second["restored_by_tier"].items():
+        moved = (after["kvtier_restored_tokens_total"].get((("tier", tier),), 0.0)
+                 - before.get("kvtier_restored_tokens_total", {}).get((("tier", tier),), 0.0))
+        assert moved == n, (tier, moved, n)
+    assert (total(after, "kvtier_restored_requests_total")
+            - total(before, "kvtier_restored_requests_total")) == 1
+    # The restore read the file tier, and the first turn's write-through filled it.
+    assert total(after, "kvtier_tier_hits_total") > total(before, "kvtier_tier_hits_total")
+    assert total(after, "kvtier_tier_bytes_written_total") > 0
+    assert total(after, "kvtier_spilled_bytes_total") > 0
+    assert total(after, "kvtier_write_through_baseline_bytes_total") > 0
+    assert total(after, "kvtier_worker_blocks_total") > 0  # from the worker process
+    # Every counter shown has counted something: none sits at a zero nobody feeds.
+    for name, by_label in after.items():
+        if name.endswith("_total"):
+            assert all(v > 0 for v in by_label.values()), (name, by_label)
 
 
 # -- a hybrid model (Gemma-2: a sliding-window group and a full group) --------------------

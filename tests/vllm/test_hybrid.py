@@ -8,7 +8,7 @@ load per request.
 Requests are plain records with the attributes of vLLM's ``Request`` that the scheduler
 side reads; block tables are what vLLM gives per group (the window group's null block
 below its window). The store is real. Bytes and tokens are checked in real vLLM in
-``test_hybrid_e2e.py``.
+``test_shapes_e2e.py``.
 """
 
 from __future__ import annotations

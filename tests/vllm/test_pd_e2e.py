@@ -34,7 +34,7 @@ import pytest
 from kvtier.clock import ManualClock
 from kvtier.keys import key_from_hex
 from kvtier.testing.ceph import CephCluster
-from kvtier.testing.servers import APIServer, router_process, split_cpus
+from kvtier.testing.servers import APIServer, router_process, servers_started, split_cpus
 from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
 from tests.conftest import cephfs_dir
@@ -121,12 +121,13 @@ def pd(tiny_fp32: Path, ceph: CephCluster) -> Iterator[PD]:
                 "retention": {"lease_seconds": LEASE},
             }))
         p_cpus, d_cpus = split_cpus(2)  # a shared core starves the prefill while decode waits
-        with APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False, cpus=p_cpus,
-                       kv_transfer_config=kv_transfer_config(configs["prefill"],
-                                                             role="prefill")) as p, \
-             APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
-                       kv_transfer_config=kv_transfer_config(configs["decode"],
-                                                             role="decode")) as dec:
+        with servers_started(
+                APIServer(tmp, model=tiny_fp32, name="prefill", prefix_caching=False,
+                          cpus=p_cpus, kv_transfer_config=kv_transfer_config(
+                              configs["prefill"], role="prefill")),
+                APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
+                          kv_transfer_config=kv_transfer_config(configs["decode"],
+                                                                role="decode"))) as (p, dec):
             args = ["--tiers", str(configs["prefill"]), "--request-timeout", "60",
                     "--pd-mode", "always"]  # these tests are about the P/D hand-off
             with router_process(tmp, p.url, dec.url, args=args) as url:

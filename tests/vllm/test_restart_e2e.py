@@ -134,6 +134,7 @@ def test_every_stop_path_keeps_what_the_design_promises(
             if previous is not None:
                 r = complete(srv.url, PROMPTS[previous[0]])
                 assert restored(r).get("file1", 0) >= 768, f"after {previous[0]}"
+                assert set(restored(r)) == {"file1"}, f"after {previous[0]}: only from disk"
                 assert r["choices"][0]["text"] == previous[1], f"after {previous[0]}"
             if path == "check":
                 assert previous is not None

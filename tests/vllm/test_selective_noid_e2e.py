@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvtier.testing.servers import APIServer, router_process, split_cpus
+from kvtier.testing.servers import APIServer, router_process, servers_started, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -93,10 +93,12 @@ def setup(tiny_fp32: Path) -> Iterator[Setup]:
             "restore": {"recompute_threshold_tokens": 64, "wait_seconds": 30},
         }))
         p_cpus, d_cpus = split_cpus(2)
-        with APIServer(tmp, model=tiny_fp32, name="prefill", cpus=p_cpus,
-                       kv_transfer_config=kv_transfer_config(cfg, role="prefill")) as p, \
-             APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
-                       kv_transfer_config=kv_transfer_config(cfg, role="decode")) as dec, \
+        with servers_started(
+                APIServer(tmp, model=tiny_fp32, name="prefill", cpus=p_cpus,
+                          kv_transfer_config=kv_transfer_config(cfg, role="prefill")),
+                APIServer(tmp, model=tiny_fp32, name="decode", cpus=d_cpus,
+                          kv_transfer_config=kv_transfer_config(cfg, role="decode"))
+             ) as (p, dec), \
              router_process(tmp, p.url, dec.url, args=["--tiers", str(cfg)]) as url, \
              httpx.Client(timeout=120) as client:
             yield Setup(p, dec, url, tmp / "router.log", client)

@@ -70,3 +70,50 @@ def test_users_taking_turns_restore_their_whole_history_and_no_save_is_dropped(
             convs[u] = out
     drops = export.drain().get(m.DROPS.name, {})
     assert short == [] and drops.get("host_full", 0) == 0, (short, drops)
+
+
+def test_a_pool_smaller_than_one_conversation_restores_all_it_stored(
+        tmp_path: Path) -> None:
+    """5 slots (a staging cap of 2) against 6-chunk histories: every return restores the
+    whole prefix the tiers hold, streamed through the window (``stream.py``); before,
+    a restore stopped where the pool ran out of slots."""
+    import concurrent.futures as cf
+
+    sched = small_pool_sched(tmp_path, GEOM, NS, CT, 5)
+    try:
+        rng = random.Random(1)
+        convs = [[rng.randrange(3, 500) for _ in range(HISTORY)] for _ in range(3)]
+        streamed = 0
+        for r in range(3):
+            for u, conv in enumerate(convs):
+                prompt = conv + [rng.randrange(3, 500) for _ in range(rng.randint(8, 24))]
+                rid = f"{u}-{r}"
+                req = request_record(rid, prompt, computed=0)
+                stored = sched.store.lookup_indexed(sched.chunk_keys(req)).hits
+                n = ask(sched, req) or 0
+                assert n == stored * CT, (rid, n, stored)
+                sched.update_state_after_alloc(req, Blocks(list(range(-(-len(prompt) // BS)))),
+                                               n)
+                streamed += rid in sched._streams
+                _step(sched)
+                for _ in range(50):  # the stream's reads, one window a step
+                    st = sched._streams.get(rid)
+                    if st is None:
+                        break
+                    if st.future is not None:
+                        cf.wait([st.future], timeout=10)
+                    _step(sched)
+                assert rid not in sched._streams
+                if rid in sched._recving:  # the worker reports the request received
+                    sched.on_worker_output(None, None, finished_recving={rid})
+                out = [*prompt, *(rng.randrange(3, 500) for _ in range(4))]
+                sched.request_finished(request_record(rid, out),
+                                       list(range(-(-len(out) // BS))))
+                _step(sched)
+                _step(sched, {rid})
+                assert sched.store.flush(10.0)
+                convs[u] = out
+        assert streamed >= 3
+        assert sched.store.host.index.num_held() == 0
+    finally:
+        sched.close()

@@ -21,7 +21,7 @@ import pytest
 
 from kvtier.testing.engines import LLMWorker, tokens
 from kvtier.testing.models import MLA_KV_LORA_RANK, MLA_ROPE_DIM, build_tiny_deepseek_v2
-from tests.vllm.conftest import write_through_config
+from tests.vllm.conftest import EngineFactory, write_through_config
 from tests.vllm.test_connector_e2e import restored, tiers_used
 
 pytestmark = pytest.mark.vllm
@@ -35,20 +35,39 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-store")
 
 
+def tp2_spec(model: Path, store: Path, config: Path,
+             **llm_kwargs: Any) -> tuple[Path, Path, dict[str, Any]]:
+    """What ``EngineFactory.side_by_side`` takes for a TP=2 engine (one core per rank)
+    with a host tier and a write-through file tier in ``store``, its config written to
+    ``config``."""
+    cfg = write_through_config(config, store, CT)
+    return model, cfg, {"tensor_parallel_size": 2,
+                        "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, **llm_kwargs}
+
+
 def tp2_engine(engine_factory: Callable[..., LLMWorker], model: Path, store: Path,
                config: Path, **llm_kwargs: Any) -> LLMWorker:
-    """A TP=2 engine (one core per rank) with a host tier and a write-through file tier
-    in ``store``, its config written to ``config``."""
-    cfg = write_through_config(config, store, CT)
-    return engine_factory(model, cfg, tensor_parallel_size=2,
-                          extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, **llm_kwargs)
+    """A TP=2 engine started (see ``tp2_spec``)."""
+    model, cfg, kw = tp2_spec(model, store, config, **llm_kwargs)
+    return engine_factory(model, cfg, **kw)
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory: Callable[..., LLMWorker], tiny_fp32: Path, store: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
-    return tp2_engine(engine_factory, tiny_fp32, store,
-                      tmp_path_factory.mktemp("cfg") / "tp.yaml")
+def engines(engine_factory: EngineFactory, tiny_fp32: Path, store: Path, mla_store: Path,
+            models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LLMWorker]:
+    """The Llama and the MLA engine, both TP=2, started side by side."""
+    model = build_tiny_deepseek_v2(models_dir / "ds2-fp32")
+    cfg = tmp_path_factory.mktemp("cfg")
+    return engine_factory.side_by_side(
+        tp2_spec(tiny_fp32, store, cfg / "tp.yaml"),
+        # On a CPU with AMX vLLM prefers its AMX MLA backend, which takes bf16 weights
+        # only; this fp32 test asks for the portable one
+        tp2_spec(model, mla_store, cfg / "mla.yaml", attention_config={"backend": "CPU_MLA"}))
+
+
+@pytest.fixture(scope="module")
+def engine(engines: list[LLMWorker]) -> LLMWorker:
+    return engines[0]
 
 
 def test_tp2_restores_a_returning_prompt_from_one_object_per_chunk(
@@ -83,14 +102,8 @@ def mla_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mla_engine(engine_factory: Callable[..., LLMWorker], mla_store: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> LLMWorker:
-    model = build_tiny_deepseek_v2(tmp_path_factory.mktemp("models") / "ds2-fp32")
-    # On a CPU with AMX vLLM prefers its AMX MLA backend, which takes bf16 weights only;
-    # this fp32 test asks for the portable one
-    return tp2_engine(engine_factory, model, mla_store,
-                      tmp_path_factory.mktemp("cfg") / "mla.yaml",
-                      attention_config={"backend": "CPU_MLA"})
+def mla_engine(engines: list[LLMWorker]) -> LLMWorker:
+    return engines[1]
 
 
 def test_mla_tp2_stores_one_copy_written_by_rank_0_and_every_rank_restores_it(

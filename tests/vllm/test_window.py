@@ -5,7 +5,7 @@ copying that window, and nothing is copied into vLLM's null blocks.
 Requests are plain records with the attributes of vLLM's ``Request`` that the scheduler
 side reads, and block tables are what vLLM gives for one ``SlidingWindowSpec`` group:
 block 0 (the null block) wherever a block fell out of the window. The store is real.
-Bytes and tokens are checked in real vLLM in ``test_window_e2e.py``.
+Bytes and tokens are checked in real vLLM in ``test_shapes_e2e.py``.
 """
 
 from __future__ import annotations
