@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
-from kvtier.vllm.events import KVEvents, events_for
+from kvtier.vllm.events import KVEvents, events_for, note_hybrid_end
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -255,6 +255,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
         self._finish_noting(request)
+        if self._events is not None:  # a hybrid model's tail and window pieces
+            note_hybrid_end(self._events, self.scheduler_side, request, block_ids)
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:

@@ -15,8 +15,18 @@ vLLM converts them for its events):
   ``locality="REMOTE"`` (the lower tiers are shared by the fleet), ``ownership`` = the
   tier's name. One event per chunk: its ``blocks_per_chunk`` block hashes, the parent
   (the hash of the block before the chunk), its tokens, ``block_size`` = vLLM's block
-  size, LoRA id and name, vLLM's per-block ``extra_keys``, ``group_idx`` 0 and the
-  group's ``kv_cache_spec_kind``. Self-contained (its own parent), so order is free.
+  size, LoRA id and name, vLLM's per-block ``extra_keys``, ``group_idx`` and the group's
+  ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (what vLLM's
+  ``KVCacheManager.take_events`` sets on its own GPU events for that group).
+  Self-contained (its own parent), so order is free.
+* Hybrid models (several KV-cache groups, ``hybrid.py``): kvtier stores each group's
+  piece as an object of its own, so each piece is one event of its group: a full group's
+  chunk (``blocks_per_chunk`` blocks) or tail, a sliding-window or chunked-local group's
+  window part; ``block_hashes`` are vLLM's block hashes of exactly those blocks (every
+  group of a hybrid model kvtier stores has one block size, so a group's hashes are
+  ``request.block_hashes``, as vLLM's ``cache_full_blocks`` resolves them), ``parent``
+  the hash of the block before the piece, ``token_ids`` the piece's tokens: the event
+  vLLM itself publishes for those blocks of that group on ``GPU``, but for ``medium``.
 * ``BlockRemoved`` (same medium, locality, ownership, the chunk's hashes) when the copy
   in that medium goes: host eviction or removal (``reset_cache``), a lower tier's
   collection, expiry (by any process: seen when this node's index drops the key, i.e.
@@ -36,17 +46,25 @@ drops a restarted node's state anyway (vLLM's event stream starts afresh).
 
 **Only what is known is claimed (precision first).** A chunk is published only if
 ``note`` saw the request it belongs to (its block hashes come from vLLM's request, not
-from the chunk); partial tails, sliding-window parts and hybrid models' group pieces are
-not published. If the raw queue ever overflows, every claim is withdrawn (removals for
-all), so the stream never says a block is held that is not.
+from the chunk): whole chunks when noted (``note``, from vLLM's lookup on); a hybrid
+model's tails and window parts when the request that stores them finishes
+(``note_hybrid_end``). A single-group model's partial tails and window parts are not
+noted, so not published. A hybrid piece another request stored and this one only
+restores is published if its payload is still kept (``max_payloads``). Pieces of one
+group may name the same blocks (a tail and the later whole chunk over it; the windows of
+nearby ends): each is published when stored, and the removal of one names its blocks
+though another piece may still hold them, so a router can under-count what is held
+(recall), never over-count it. If the raw queue ever overflows, every claim is
+withdrawn (removals for all), so the stream never says a block is held that is not.
 
-**Bounded.** ``held``: chunk key -> one ``bytes`` (a medium bit mask, the parent hash,
-the chunk's block hashes; 8 bytes a hash with vLLM's default integer hashes) for each
-chunk published as held somewhere; at most ``max_chunks`` (oldest claims withdrawn
-beyond, in batches). ``payloads``: the tokens and extra keys a ``BlockStored`` needs,
-kept for the ``max_payloads`` most recently noted chunks; a chunk that reaches a tier
-after its payload went is published with empty ``token_ids``. ``held_bytes`` measures
-what one held chunk costs (README: the figure at 1M chunks).
+**Bounded.** ``held``: chunk (or piece) key -> one ``bytes`` (a medium bit mask, the
+group index, the parent hash, the piece's block hashes; 8 bytes a hash with vLLM's
+default integer hashes) for each piece published as held somewhere; at most
+``max_chunks`` (oldest claims withdrawn beyond, in batches). ``payloads``: the tokens
+and extra keys a ``BlockStored`` needs, kept for the ``max_payloads`` most recently noted
+pieces; a piece that reaches a tier after its payload went is published with empty
+``token_ids``. ``held_bytes`` measures what one held piece costs (README: the figure at
+1M chunks).
 
 Threads: ``observe`` (the tiers' hooks) may be called from any thread, under the tiers'
 locks: it only appends to a ``deque`` (never blocks). ``note``, ``take``, ``pending``,
@@ -63,7 +81,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, group_key
 
 log = logging.getLogger("kvtier.vllm.events")
 
@@ -90,6 +108,15 @@ class Medium:
     medium: str
     locality: str
     ownership: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMeta:
+    """What vLLM's store events say of a KV-cache group (``KVCacheManager``'s
+    ``kv_cache_event_metadata``): its spec's kind and sliding window."""
+
+    kind: str | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,20 +148,27 @@ class KVEvents:
         block_size: int,
         blocks_per_chunk: int,
         chunk_tokens: int,
-        spec_kind: str | None = None,
+        groups: Sequence[GroupMeta] = (),
+        full_groups: Sequence[int] | None = None,
         max_chunks: int = MAX_CHUNKS,
         max_payloads: int = MAX_PAYLOADS,
         convert: Callable[[Any], int | bytes] | None = None,
     ) -> None:
+        """``groups``: vLLM's KV-cache groups (one ``GroupMeta`` each; empty: one group
+        of unknown kind). ``full_groups``: a hybrid model's full-attention groups (their
+        chunks are keyed ``group_key(chunk key, group)``); None for one group."""
         if not 1 <= len(tiers) <= 8:
             raise ValueError("between 1 and 8 tiers (one mask byte)")
+        if len(groups) > 256:
+            raise ValueError("at most 256 KV-cache groups (one group byte)")
         if max_chunks < 1 or max_payloads < 1:
             raise ValueError("max_chunks and max_payloads must be >= 1")
         self.tiers = list(tiers)
         self.block_size = block_size
         self.bpc = blocks_per_chunk
         self.ct = chunk_tokens
-        self.spec_kind = spec_kind
+        self.groups = list(groups) or [GroupMeta()]
+        self.full_groups = tuple(full_groups) if full_groups is not None else None
         self.max_chunks = max_chunks
         self.max_payloads = max_payloads
         if convert is None:
@@ -178,30 +212,46 @@ class KVEvents:
     def note(self, request: Any, keys: Sequence[ChunkKey], first: int = 0) -> int:
         """Remember how chunks ``first..len(keys)-1`` of ``request`` (``keys[c]`` covers
         its tokens ``[c*chunk_tokens, (c+1)*chunk_tokens)``) map to vLLM's block hashes,
-        so their stores and removals can be published. Chunks whose blocks vLLM has not
-        hashed yet are skipped. Returns the chunks noted. Scheduler thread only."""
+        so their stores and removals can be published: the chunk itself with one group,
+        each full-attention group's piece of it in a hybrid model. Chunks whose blocks
+        vLLM has not hashed yet are skipped. Returns the pieces noted. Scheduler thread
+        only."""
+        n = min(len(keys), len(request.block_hashes) // self.bpc)
+        pieces: list[tuple[ChunkKey, int, int, int]] = []
+        for c in range(first, n):
+            if self.full_groups is None:
+                pieces.append((keys[c], 0, c * self.bpc, self.bpc))
+            else:
+                pieces.extend((group_key(keys[c], g), g, c * self.bpc, self.bpc)
+                              for g in self.full_groups)
+        return self.note_pieces(request, pieces)
+
+    def note_pieces(self, request: Any,
+                    pieces: Sequence[tuple[ChunkKey, int, int, int]]) -> int:
+        """Remember pieces of ``request``: ``(key, group, first block, blocks)`` each, the
+        object keyed ``key`` holding blocks ``first..first+blocks-1`` of KV-cache group
+        ``group`` (one group's blocks are named by ``request.block_hashes``). Pieces
+        already remembered, and those whose blocks vLLM has not hashed, are skipped.
+        Returns the pieces noted. Scheduler thread only."""
         hashes = request.block_hashes
-        n = min(len(keys), len(hashes) // self.bpc)
-        if n <= first:
-            return 0
         lora = getattr(request, "lora_request", None)
         lora_id = lora.adapter_id if lora is not None else None
         lora_name = lora.name if lora is not None else None
         session = getattr(request, "session_id", None)
         tokens = request.all_token_ids
+        bs = self.block_size
         done = 0
-        for c in range(first, n):
-            key = keys[c]
-            if key in self.payloads:
+        for key, group, lo, blocks in pieces:
+            if key in self.payloads or not 0 <= group < len(self.groups) or blocks < 1 \
+                    or lo + blocks > len(hashes):
                 continue
-            lo = c * self.bpc
-            record = self._record(hashes[lo - 1] if lo else None, hashes[lo : lo + self.bpc])
+            record = self._record(group, hashes[lo - 1] if lo else None,
+                                  hashes[lo : lo + blocks])
             if record is None:
                 continue
             self.payloads[key] = _Payload(
-                record, array("i", tokens[c * self.ct : (c + 1) * self.ct]), lora_id,
-                lora_name, _extra_keys(request, c * self.ct, self.block_size, self.bpc),
-                session)
+                record, array("i", tokens[lo * bs : (lo + blocks) * bs]), lora_id,
+                lora_name, _extra_keys(request, lo * bs, bs, blocks), session)
             done += 1
         if len(self.payloads) > self.max_payloads:
             _drop_oldest(self.payloads, len(self.payloads) - self.max_payloads
@@ -220,7 +270,7 @@ class KVEvents:
             log.warning("kvtier: KV event queue overflowed; withdrawing every claim")
             out.extend(self._removals(list(self.held.items()), block_removed))
             self.held.clear()
-        last_removed: tuple[int, list[Any]] | None = None
+        last_removed: tuple[int, int, list[Any]] | None = None
         while self._raw:
             tier, stored, key = self._raw.popleft()
             bit = 1 << tier
@@ -247,12 +297,12 @@ class KVEvents:
                 else:
                     del self.held[key]
                 hashes = self._hashes(rec)
-                if last_removed is not None and last_removed[0] == tier:
-                    last_removed[1].extend(hashes)
+                if last_removed is not None and last_removed[:2] == (tier, rec[1]):
+                    last_removed[2].extend(hashes)
                 else:
-                    ev = self._removed(tier, hashes, block_removed)
+                    ev = self._removed(tier, rec[1], hashes, block_removed)
                     out.append(ev)
-                    last_removed = (tier, ev.block_hashes)
+                    last_removed = (tier, rec[1], ev.block_hashes)
         if len(self.held) > self.max_chunks:
             n = len(self.held) - self.max_chunks + self.max_chunks // 16
             victims = [(k, self.held[k]) for k in _first(self.held, n)]
@@ -274,14 +324,17 @@ class KVEvents:
 
     @staticmethod
     def held_bytes(record: bytes, key: ChunkKey) -> int:
-        """Bytes one ``held`` entry costs: the record, the key, and the dict's slot
+        """Bytes one ``held`` entry costs: the record (3 header bytes, the parent and the
+        piece's hashes), the key, and the dict's slot
         (three words) plus its share of the hash table (about one more word at the
         table's lowest load)."""
         return sys.getsizeof(record) + sys.getsizeof(key) + 4 * 8
 
     # -- internals -----------------------------------------------------------------------
-    def _record(self, parent: Any, hashes: Sequence[Any]) -> bytes | None:
-        if len(hashes) != self.bpc or any(h is None for h in hashes):
+    def _record(self, group: int, parent: Any, hashes: Sequence[Any]) -> bytes | None:
+        """A ``held`` record less its mask byte: the group, the parent flag and hash
+        (zeros without), the hashes (``_width`` bytes each)."""
+        if not hashes or any(h is None for h in hashes):
             return None
         conv = [self._convert(h) for h in hashes]
         if not self._width:
@@ -290,8 +343,9 @@ class KVEvents:
         parts = [self._pack(h) for h in conv]
         if any(p is None for p in parts):
             return None
-        head = (bytes([_NO_PARENT]) + bytes(self._width) if parent is None else
-                bytes([_PARENT]) + (self._pack(self._convert(parent)) or bytes(self._width)))
+        head = bytes([group]) + (
+            bytes([_NO_PARENT]) + bytes(self._width) if parent is None else
+            bytes([_PARENT]) + (self._pack(self._convert(parent)) or bytes(self._width)))
         return head + b"".join(p for p in parts if p is not None)
 
     def _pack(self, h: int | bytes) -> bytes | None:
@@ -304,14 +358,15 @@ class KVEvents:
 
     def _hashes(self, rec: bytes) -> list[int | bytes]:
         w = self._width
-        start = 2 + w
+        start = 3 + w
         return [self._unpack(rec[i : i + w]) for i in range(start, len(rec), w)]
 
     def _parent(self, rec: bytes) -> int | bytes | None:
-        return self._unpack(rec[2 : 2 + self._width]) if rec[1] == _PARENT else None
+        return self._unpack(rec[3 : 3 + self._width]) if rec[2] == _PARENT else None
 
     def _stored(self, tier: int, rec: bytes, pay: _Payload | None, cls: Any) -> Any:
         m = self.tiers[tier]
+        group = self.groups[rec[1]]
         return cls(
             block_hashes=self._hashes(rec),
             parent_block_hash=self._parent(rec),
@@ -321,26 +376,27 @@ class KVEvents:
             medium=m.medium,
             lora_name=pay.lora_name if pay is not None else None,
             extra_keys=pay.extra_keys if pay is not None else None,
-            group_idx=0,
-            kv_cache_spec_kind=self.spec_kind,
+            group_idx=rec[1],
+            kv_cache_spec_kind=group.kind,
+            kv_cache_spec_sliding_window=group.sliding_window,
             locality=m.locality,
             ownership=m.ownership,
             session_id=pay.session_id if pay is not None else None,
         )
 
-    def _removed(self, tier: int, hashes: list[int | bytes], cls: Any) -> Any:
+    def _removed(self, tier: int, group: int, hashes: list[int | bytes], cls: Any) -> Any:
         m = self.tiers[tier]
-        return cls(block_hashes=hashes, medium=m.medium, group_idx=0,
+        return cls(block_hashes=hashes, medium=m.medium, group_idx=group,
                    locality=m.locality, ownership=m.ownership)
 
     def _removals(self, recs: list[tuple[ChunkKey, bytes]], cls: Any) -> list[Any]:
-        """One removal per tier for every claim in ``recs``."""
-        by_tier: dict[int, list[int | bytes]] = {}
+        """One removal per tier and group for every claim in ``recs``."""
+        by_tier: dict[tuple[int, int], list[int | bytes]] = {}
         for _, rec in recs:
             for tier in range(len(self.tiers)):
                 if rec[0] & (1 << tier):
-                    by_tier.setdefault(tier, []).extend(self._hashes(rec))
-        return [self._removed(t, h, cls) for t, h in sorted(by_tier.items())]
+                    by_tier.setdefault((tier, rec[1]), []).extend(self._hashes(rec))
+        return [self._removed(t, g, h, cls) for (t, g), h in sorted(by_tier.items())]
 
 
 def partial_observe(events: KVEvents, tier: int, stored: bool) -> Callable[[ChunkKey], None]:
@@ -384,31 +440,76 @@ def _extra_keys(request: Any, start: int, block_size: int,
     return to_event_extra_keys(keys)
 
 
-def events_for(sched: Any, kv_cache_config: Any) -> KVEvents | None:
-    """The KV events of a scheduler side (``SchedulerSide``), hooked to its store; None
-    for a hybrid model (several KV-cache groups: not published, logged)."""
+def events_for(sched: Any, kv_cache_config: Any) -> KVEvents:
+    """The KV events of a scheduler side (``SchedulerSide``), hooked to its store, with
+    each KV-cache group's kind and sliding window as vLLM publishes them
+    (``group_meta``)."""
     geom = sched.geom
+    full: list[int] | None = None
     if geom.groups:
-        log.warning("kvtier: KV events: a hybrid model's stored pieces are not published "
-                    "(only vLLM's own GPU events are)")
-        return None
-    spec_kind: str | None = None
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+        from kvtier.vllm.hybrid import full_groups
 
-        spec_kind = get_kv_cache_spec_kind(
-            kv_cache_config.kv_cache_groups[0].kv_cache_spec).value
-    except (ImportError, AttributeError, IndexError):
-        pass
+        full = full_groups(geom)
     store = sched.store
     ev = KVEvents(tier_media([t.name for t in store.tiers]), block_size=sched.bs,
-                  blocks_per_chunk=sched.bpc, chunk_tokens=sched.ct, spec_kind=spec_kind,
+                  blocks_per_chunk=sched.bpc, chunk_tokens=sched.ct,
+                  groups=group_meta(kv_cache_config), full_groups=full,
                   max_chunks=sched.cfg.events.max_chunks,
                   max_payloads=sched.cfg.events.max_payload_chunks)
     ev.attach(store.host.index, [lt.tier for lt in store.lower])
-    log.info("kvtier: KV events on: host as CPU, %s as STORAGE; at most %d chunks claimed",
-             ", ".join(lt.tier.name for lt in store.lower) or "no lower tier", ev.max_chunks)
+    log.info("kvtier: KV events on: host as CPU, %s as STORAGE; at most %d pieces claimed%s",
+             ", ".join(lt.tier.name for lt in store.lower) or "no lower tier", ev.max_chunks,
+             f"; {len(geom.groups)} KV-cache groups" if geom.groups else "")
     return ev
+
+
+def group_meta(kv_cache_config: Any) -> list[GroupMeta]:
+    """Each KV-cache group's kind and sliding window, as vLLM's ``KVCacheManager`` sets
+    them on its store events (``get_kv_cache_spec_kind``, ``..._sliding_window``); one
+    group of unknown kind without a config."""
+    try:
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+
+        return [GroupMeta(get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                          get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+                for g in kv_cache_config.kv_cache_groups]
+    except (ImportError, AttributeError):
+        return []
+
+
+def note_hybrid_end(events: KVEvents, sched: Any, request: Any,
+                    block_ids: Sequence[Sequence[int]]) -> int:
+    """Before a hybrid model's finished request is stored (``request_finished_all_groups``,
+    scheduler thread): note the pieces of the prefix it ends, as the scheduler side
+    computes them (``SchedulerSide.request_finished_groups``: the blocks every full group
+    holds, at most the saveable tokens; ``hybrid.prefix_pieces``), so its tail and
+    window parts are published once stored. Returns the pieces newly noted; 0 for one
+    group, or when the request's keys are not known."""
+    from kvtier.vllm.hybrid import full_groups
+
+    geom = sched.geom
+    if not geom.groups or not block_ids:
+        return 0
+    full = full_groups(geom)
+    held = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
+    # the saveable tokens: computed ones, never the last (sampled) token
+    saveable = max(0, min(int(request.num_computed_tokens), int(request.num_tokens) - 1))
+    n_blocks = min(saveable // sched.bs, held)
+    n_chunks, tail = divmod(n_blocks, sched.bpc)
+    if not sched.tails:
+        tail = 0
+    keys = sched.chunk_keys(request)
+    end = n_chunks * sched.ct + tail * sched.bs
+    if not end or len(keys) < n_chunks:
+        return 0
+    try:
+        pieces = sched._hybrid_pieces(request, keys[:n_chunks], end, 0)
+    except KeyError:  # a tail-only prefix whose identity is pending: nothing is stored
+        return 0
+    return events.note_pieces(request, [(p.key, p.group, p.first, p.blocks) for p in pieces])
 
 
 def tier_media(names: Sequence[str]) -> list[Medium]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -31,9 +33,10 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.tiers.file import FileTier
 from kvtier.vllm import events as events_mod
-from kvtier.vllm.events import KVEvents, events_for
-from kvtier.vllm.geometry import Geometry
+from kvtier.vllm.events import KVEvents, events_for, note_hybrid_end
+from kvtier.vllm.geometry import Geometry, GroupShape
 from kvtier.vllm.scheduler_side import SchedulerSide
+from tests.vllm.hooks import ask
 
 BS = 16  # vLLM's block size
 CT = 64  # kvtier's chunk: 4 blocks
@@ -234,12 +237,201 @@ def test_a_held_chunk_costs_a_bounded_number_of_bytes() -> None:
     held: dict[ChunkKey, bytes] = {}
     for i in range(n):
         key = ChunkKey(i.to_bytes(16, "big"))
-        held[key] = bytes([3, 1]) + i.to_bytes(8, "big") + bytes(8 * bpc)
+        held[key] = bytes([3, 0, 1]) + i.to_bytes(8, "big") + bytes(8 * bpc)
     per_chunk = (tracemalloc.get_traced_memory()[0] - before) / n
     tracemalloc.stop()
     key, rec = next(iter(held.items()))
-    assert len(rec) == 2 + 8 + 8 * bpc
+    assert len(rec) == 3 + 8 + 8 * bpc
     assert per_chunk <= KVEvents.held_bytes(rec, key) + 16, per_chunk
     assert per_chunk < 300  # about 250 MB at 1M held chunks
     print(f"held map: {per_chunk:.0f} B/chunk measured, "
           f"{KVEvents.held_bytes(rec, key)} estimated")
+
+
+# -- hybrid models (several KV-cache groups) ----------------------------------------------
+W = 40  # the window group keeps a request's last 40 tokens: a hit needs 3 blocks
+SW, FULL = 0, 1  # vLLM's group order for Gemma-2: the window group first
+HGEOM = Geometry(2, 2, 8, BS, 1024, "float32",
+                 groups=(GroupShape(2, W), GroupShape(2, 0)), group_layers="x")
+HNS = Namespace(model="m", model_fingerprint="0" * 16, kv_dtype="float32",
+                kv_layout="NHD", num_layers=2, num_kv_heads=2, head_size=8, chunk_tokens=CT,
+                block_size=BS, attention=HGEOM.attention)
+
+
+def hybrid_config() -> Any:
+    """The kv_cache_config vLLM gives a model with a 40-token window group and a full
+    group (what ``events_for`` reads the groups' kinds from)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    sw = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32,
+                           sliding_window=W)
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["l0"], sw),
+                                            KVCacheGroupSpec(["l1"], full)])
+
+
+@pytest.fixture
+def henv(tmp_path: Path) -> Iterator[tuple[SchedulerSide, KVEvents, ManualClock]]:
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT,
+        "tiers": [{"host": {"capacity": "1MiB", "pinned": "no"}},
+                  {"file": {"path": str(tmp_path), "capacity": "1GiB", "write": "through",
+                            "touch_interval": 0}}],
+        "retention": {"lease_seconds": LEASE},
+        "restore": {"recompute_threshold_tokens": 1},
+    })
+    clock = ManualClock()
+    sched = SchedulerSide(cfg, HGEOM, HNS, None,
+                          store=build_store(cfg, HGEOM.chunk_bytes(CT), clock=clock),
+                          clock=clock)
+    ev = events_for(sched, hybrid_config())
+    yield sched, ev, clock
+    sched.close()
+
+
+def hybrid_tables(req: Request) -> tuple[list[int], list[int]]:
+    """A finished request's block tables: the window group's null block (0) below the
+    window of its computed tokens, the full group's every block."""
+    total = -(-req.num_tokens // BS)
+    skipped = max(0, req.num_computed_tokens - W + 1) // BS
+    return ([0 if i < skipped else 100 + i for i in range(total)],
+            [200 + i for i in range(total)])
+
+
+def hybrid_save(sched: SchedulerSide, ev: KVEvents, req: Request) -> None:
+    """What the connector and the scheduler side do for a hybrid model's finished
+    request: note its chunks and the pieces of its end, store them, commit them."""
+    req.num_computed_tokens = req.num_tokens - 1
+    tables = hybrid_tables(req)
+    ev.note(req, sched.chunk_keys(req))
+    assert note_hybrid_end(ev, sched, req, tables) == 2  # the full group's tail, the window
+    delay, _ = sched.request_finished_groups(req, tables)
+    assert delay
+    sched.build_meta()
+    sched.on_worker_output({req.request_id}, None)
+    assert sched.store.flush(10)
+
+
+def vllm_gpu_event(req: Request, group: int, first: int, blocks: int) -> Any:
+    """The ``BlockStored`` vLLM itself publishes on GPU for blocks ``first..`` of group
+    ``group`` of ``req``: its block pool caching them, then its ``KVCacheManager``'s
+    annotation with the group's kind and window."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    pool = BlockPool(64, True, BS, enable_kv_cache_events=True)
+    pool.cache_full_blocks(req, pool.get_new_blocks(first + blocks), first, first + blocks,
+                           BS, group)
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored)
+    spec = hybrid_config().kv_cache_groups[group].kv_cache_spec
+    event.kv_cache_spec_kind = get_kv_cache_spec_kind(spec).value
+    event.kv_cache_spec_sliding_window = get_kv_cache_spec_sliding_window(spec)
+    return event
+
+
+FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+          "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+          "kv_cache_spec_sliding_window", "session_id")
+
+
+def test_a_hybrid_models_pieces_are_published_per_group_as_vllm_publishes_them(
+        henv: Any) -> None:
+    sched, ev, _ = henv
+    req = request("h", prompt(3, seed=11)[: 2 * CT + 3 * BS + 1])  # 2 chunks, 3-block tail
+    hybrid_save(sched, ev, req)
+    out = ev.take()
+    cpu = by_medium(out, BlockStored, "CPU")
+    # the full group's chunks and tail, the window group's window (blocks 8..10)
+    want = [(FULL, 0, BPC), (FULL, BPC, BPC), (FULL, 2 * BPC, 3), (SW, 2 * BPC, 3)]
+    assert sorted((e.group_idx, e.block_hashes) for e in cpu) == sorted(
+        (g, gpu_hashes(req)[lo : lo + n]) for g, lo, n in want)
+    for group, lo, n in want:
+        (mine,) = [e for e in cpu if (e.group_idx, e.block_hashes[0]) ==
+                   (group, gpu_hashes(req)[lo])]
+        gpu = vllm_gpu_event(req, group, lo, n)
+        assert {f: getattr(mine, f) for f in FIELDS} == {f: getattr(gpu, f) for f in FIELDS}
+    window = next(e for e in cpu if e.group_idx == SW)
+    assert (window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window) == \
+        ("sliding_window", W)
+    storage = by_medium(out, BlockStored, "STORAGE")
+    assert sorted((e.group_idx, e.block_hashes) for e in storage) == \
+        sorted((e.group_idx, e.block_hashes) for e in cpu)
+    assert {(e.locality, e.ownership) for e in storage} == {("REMOTE", "file1")}
+
+
+def test_a_hybrid_models_removals_name_each_group(henv: Any) -> None:
+    sched, ev, clock = henv
+    req = request("r", prompt(3, seed=12)[: 2 * CT + 3 * BS + 1])
+    hybrid_save(sched, ev, req)
+    ev.take()
+    hashes = gpu_hashes(req)
+    assert sched.store.drop_host() == 4
+    gone = by_medium(ev.take(), BlockRemoved, "CPU")
+    assert sorted((e.group_idx, h) for e in gone for h in e.block_hashes) == sorted(
+        [(FULL, h) for h in hashes[: 2 * BPC + 3]] + [(SW, h) for h in hashes[2 * BPC :]])
+    clock.advance(LEASE + 120)
+    assert sched.store.lower[0].tier.expire(LEASE, whole_pass=True) == 4
+    gone = by_medium(ev.take(), BlockRemoved, "STORAGE")
+    assert sorted((e.group_idx, h) for e in gone for h in e.block_hashes) == sorted(
+        [(FULL, h) for h in hashes[: 2 * BPC + 3]] + [(SW, h) for h in hashes[2 * BPC :]])
+    assert not ev.held
+
+
+def test_a_hybrid_piece_restored_by_another_request_is_published_from_its_payload(
+        henv: Any) -> None:
+    sched, ev, _ = henv
+    tokens = prompt(3, seed=13)[: 2 * CT + 3 * BS + 1]
+    first = request("a", tokens)
+    hybrid_save(sched, ev, first)
+    ev.take()
+    assert sched.store.drop_host() == 4
+    ev.take()
+    # the next turn restores every piece from the file tier into the host: each is
+    # published as CPU again, by group, though this request noted only its chunks
+    turn = request("b", [*tokens, 5, 6, 7])
+    ev.note(turn, sched.chunk_keys(turn))
+    assert ask(sched, turn) == 2 * CT + 3 * BS  # type: ignore[arg-type]
+    cpu = by_medium(ev.take(), BlockStored, "CPU")
+    hashes = gpu_hashes(first)
+    assert sorted((e.group_idx, e.block_hashes) for e in cpu) == sorted(
+        [(FULL, hashes[:BPC]), (FULL, hashes[BPC : 2 * BPC]), (FULL, hashes[2 * BPC :]),
+         (SW, hashes[2 * BPC :])])
+
+
+def test_a_hybrid_prefix_shorter_than_a_chunk_publishes_its_tail_and_window(
+        henv: Any) -> None:
+    sched, ev, _ = henv
+    req = request("s", prompt(1, seed=14)[: 3 * BS + 1])  # no whole chunk: a 3-block tail
+    hybrid_save(sched, ev, req)
+    cpu = by_medium(ev.take(), BlockStored, "CPU")
+    assert sorted((e.group_idx, e.block_hashes, e.parent_block_hash) for e in cpu) == [
+        (SW, gpu_hashes(req)[:3], None), (FULL, gpu_hashes(req)[:3], None)]
+
+
+def test_group_meta_is_what_vllm_sets_per_group() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+    )
+
+    cl = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                                   dtype=torch.float32, attention_chunk_size=4 * BS)
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], cl),
+                                              KVCacheGroupSpec(["b"], full)])
+    assert events_mod.group_meta(config) == [
+        events_mod.GroupMeta("chunked_local_attention", None),
+        events_mod.GroupMeta("full_attention", None)]
+    assert events_mod.group_meta(hybrid_config())[SW] == \
+        events_mod.GroupMeta("sliding_window", W)
+    assert events_mod.group_meta(None) == []

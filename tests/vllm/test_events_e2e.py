@@ -16,6 +16,10 @@ by exactly what the response says was restored: before issue 12 they were the AP
 server's own copies and stayed at zero. (One server for both: each API server start costs
 30-45 s on two cores. The metrics test runs second, so every counter has had the events
 test's evictions and expiry to count too.)
+
+A second server runs a hybrid model (tiny Gemma-2: a sliding-window group and a full
+group): each group's stored pieces appear as events of that group, as vLLM publishes
+the same blocks of that group on ``GPU``.
 """
 
 from __future__ import annotations
@@ -279,3 +283,64 @@ def test_restored_tokens_reach_the_api_servers_metrics(
     for name, by_label in after.items():
         if name.endswith("_total"):
             assert all(v > 0 for v in by_label.values()), (name, by_label)
+
+
+# -- a hybrid model (Gemma-2: a sliding-window group and a full group) --------------------
+HYBRID_WINDOW = 257  # vLLM's CPU block is 128: the window group keeps 2 blocks a hit needs
+
+
+@pytest.fixture(scope="module")
+def hybrid_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[APIServer, Stream]]:
+    from kvtier.testing.models import build_tiny_gemma2
+
+    tmp = tmp_path_factory.mktemp("evh")  # short: vLLM's IPC paths live under it
+    model = build_tiny_gemma2(tmp / "gemma2", sliding_window=HYBRID_WINDOW, layers=4)
+    cfg = write_config(
+        tmp / "kvtier.yaml",
+        [{"file": {"path": str(tmp / "store"), "capacity": "1GiB", "write": "through"}}])
+    port = free_port()
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{port}"}
+    with APIServer(tmp, model=model, name="evh",
+                   kv_transfer_config=kv_transfer_config(cfg),
+                   extra_args=["--kv-events-config", json.dumps(events_cfg)]) as srv:
+        stream = Stream(f"tcp://127.0.0.1:{port}")
+        try:
+            yield srv, stream
+        finally:
+            stream.close()
+
+
+def test_a_hybrid_models_pieces_are_published_per_group_as_vllm_publishes_them(
+    hybrid_served: tuple[APIServer, Stream],
+) -> None:
+    """700 tokens (699 computed: 5 blocks of 128): the full group's two chunks and its
+    1-block tail, the window group's window (blocks 3 and 4), each as ``CPU`` then
+    ``STORAGE`` events of its group, with the hashes, tokens, kind and window vLLM put on
+    its own ``GPU`` events of that group."""
+    srv, stream = hybrid_served
+    prompt = tokens(700, seed=3551)
+    with httpx.Client(timeout=300) as client:
+        time.sleep(1.0)  # ZMQ's slow joiner
+        complete(client, srv.url, prompt)
+        ev = stream.until(lambda ev: len(stored(ev, "CPU")) >= 4
+                          and len(stored(ev, "STORAGE")) >= 4)
+    kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+             for e in stored(ev, "GPU")}
+    assert {k for _, k, _ in kinds} == {"full_attention", "sliding_window"}, kinds
+    gpu = gpu_blocks(ev)
+    bs = stored(ev, "GPU")[0].block_size
+    where = {tuple(prompt[i * bs : (i + 1) * bs]): i for i in range(len(prompt) // bs)}
+    block = {h: where[tuple(t)] for h, t in gpu.items()}  # vLLM's hash -> block index
+    for medium in ("CPU", "STORAGE"):
+        mine = stored(ev, medium)
+        assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                for e in mine} == kinds
+        spans = sorted((e.kv_cache_spec_kind, [block[h] for h in e.block_hashes])
+                       for e in mine)
+        assert spans == [("full_attention", [0, 1]), ("full_attention", [2, 3]),
+                         ("full_attention", [4]), ("sliding_window", [3, 4])], spans
+        for e in mine:
+            assert e.block_size == bs
+            for i, h in enumerate(e.block_hashes):
+                assert gpu[h] == e.token_ids[i * bs : (i + 1) * bs]
