@@ -60,6 +60,7 @@ class Advance:
     tokens_by_tier: dict[int, int] = field(default_factory=dict)
     ended: bool = False
     failed: bool = False
+    stalled: bool = False  # failed because a read made no progress (not a short read)
 
 
 def release_when_done(fut: Future[Held]) -> None:
@@ -97,6 +98,11 @@ class StreamedLoad:
         self.emitted: list[Held] = []
         #: the tokens it restores, [from, to): what a stalled read's bound is set by
         self.span_tokens = (0, 0)
+        #: tokens it restores by tier name, and the ms its first entries took to stage:
+        #: reported (metrics, ``kv_transfer_params``) once it ends without failing
+        self.by_tier: dict[str, int] = {}
+        self.staged_ms = 0.0
+        self.failed_at = -1  # the entry it could not read, once it failed
 
     @property
     def remaining(self) -> int:
@@ -140,6 +146,7 @@ class StreamedLoad:
                 self.progress.cancel()  # a tier stopped answering: recompute
                 fut.add_done_callback(release_when_done)
                 self.future = None
+                out.stalled = True
                 return self._fail(out)
             self.future = None
             try:
@@ -167,6 +174,7 @@ class StreamedLoad:
     def _fail(self, out: Advance) -> Advance:
         out.ops.append(CopyOp(self.rid, -1, [], 0, 0))  # the worker fails it: recompute
         out.ended = out.failed = True
+        self.failed_at = self.next
         self.next = self.found.hits
         return out
 

@@ -106,7 +106,7 @@ def test_a_tier_that_hangs_mid_stream_costs_a_recompute_not_the_request(
                 break
             _step(world, peak)
         assert "b" in world.finished  # recomputed: its blocks were checked every step
-        assert "streamed restore of b could not read chunk" in caplog.text
+        assert "streamed restore of b could not" in caplog.text
     finally:
         world.unhang()
     _run(world, peak)

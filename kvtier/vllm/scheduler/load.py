@@ -174,6 +174,7 @@ class Loads(RequestKeys):
                           lambda: LoadProgress(self.clock))
         st.span_tokens = (lk.start_tokens, hi_blk * self.bs)
         out = Advance()
+        first = len(lk.held)
         st.hand_out(lk.held, out)
         self._streams[rid] = st
         self._take(rid, out)
@@ -185,13 +186,13 @@ class Loads(RequestKeys):
             if copy is not None:
                 name = self.store.tiers[tier].name
                 by_tier[name] = by_tier.get(name, 0) + len(copy.block_ids) * self.bs
-        record_restore(by_tier)
-        staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        self._restored[rid] = (by_tier, staged_ms)
+        # reported once the last chunk is handed out (a stream that fails restores
+        # nothing: vLLM recomputes the request)
+        st.by_tier, st.staged_ms = by_tier, (time.perf_counter() - lk.t0) * 1e3
         log.info("kvtier: streaming %d tokens for %s (%s) through %d host slots; first "
                  "%d chunks staged in %.1f ms", (hi_blk - lo_blk) * self.bs, rid,
                  ", ".join(f"{t} {n}" for t, n in by_tier.items()), st.window,
-                 len(lk.held), staged_ms)
+                 first, st.staged_ms)
 
     def _take(self, rid: str, out: Advance) -> None:
         """A stream's step: its ops and holds go out with the next metadata."""
@@ -210,9 +211,15 @@ class Loads(RequestKeys):
             out = st.advance(self.store, stall_s)
             self._take(rid, out)
             if out.failed:
-                self.waits.missed(now)
-                record_drop("load_timeout")
-                log.warning("kvtier: streamed restore of %s could not read chunk %d of %d; "
-                            "vLLM recomputes it", rid, st.next, st.found.hits)
+                if out.stalled:  # a tier stopped answering: storage is suspect
+                    self.waits.missed(now)
+                    record_drop("load_timeout")
+                log.warning("kvtier: streamed restore of %s could not %s entry %d of %d; "
+                            "vLLM recomputes it", rid,
+                            "finish reading" if out.stalled else "read", st.failed_at + 1,
+                            st.found.hits)
+            elif out.ended:
+                record_restore(st.by_tier)
+                self._restored[rid] = (st.by_tier, st.staged_ms)
             if out.ended:
                 del self._streams[rid]
