@@ -42,6 +42,15 @@ def _run(world: SimWorld, peak: list[int], limit: int = 300) -> None:
     raise AssertionError("the world did not go idle")
 
 
+def _until_streaming(world: SimWorld, rid: str, peak: list[int]) -> None:
+    """Step until ``rid``'s restore is streaming (its first chunks handed out)."""
+    for _ in range(100):
+        _step(world, peak)
+        if rid in world.connector.scheduler_side._streams:
+            return
+    raise AssertionError(f"{rid} never streamed")
+
+
 def _first_turn(world: SimWorld) -> None:
     """The conversation grows over three turns of three chunks each (a save needs a host
     slot per new chunk; written through to the file tier, the slots come back), then
@@ -76,11 +85,7 @@ def test_an_abort_mid_stream_frees_everything(world: SimWorld) -> None:
     _first_turn(world)
     world.add("b", [*PROMPT, 7], max_tokens=2)
     peak = [0]
-    for _ in range(100):
-        _step(world, peak)
-        if "b" in side._streams:
-            break
-    assert "b" in side._streams
+    _until_streaming(world, "b", peak)
     world.abort("b")
     _run(world, peak)
     assert not side._streams and "b" not in side._recving
@@ -94,11 +99,7 @@ def test_a_tier_that_hangs_mid_stream_costs_a_recompute_not_the_request(
     assert side.store.drop_host() >= 0  # every chunk must come from the file tier
     world.add("b", [*PROMPT, 7], max_tokens=2)
     peak = [0]
-    for _ in range(100):
-        _step(world, peak)
-        if "b" in side._streams:
-            break
-    assert "b" in side._streams
+    _until_streaming(world, "b", peak)
     world.hang_reads()
     try:
         for _ in range(200):

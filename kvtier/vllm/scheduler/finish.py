@@ -44,13 +44,9 @@ class Finish(Saves):
         renewed), plus restore statistics.
         """
         rid = request.request_id
-        recving = rid in self._recving
-        restored, restore_ms, seen_epoch = self._end_request(rid)
-        if recving:
-            # finished (aborted) while its streamed restore is in flight: its blocks hold
-            # nothing computed yet, and vLLM frees them when the load is reported
-            self._key_cache.pop(rid, None)
-            return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
+        restored, restore_ms, seen_epoch, loading = self._end_or_loading(rid)
+        if loading is not None:
+            return False, loading
         n_blocks = min(_saveable_tokens(request) // self.bs, len(block_ids))
         n_chunks, tail_blocks = divmod(n_blocks, self.bpc)
         if not self.tails:
@@ -113,14 +109,9 @@ class Finish(Saves):
         """``request_finished_groups`` of a hybrid model: save the pieces of the prefix
         the request ends, every group's (``hybrid.py``)."""
         rid = request.request_id
-        recving = rid in self._recving
-        restored, restore_ms, seen_epoch = self._end_request(rid)
-        if recving:
-            # finished (aborted) while its asynchronous load is in flight: vLLM frees its
-            # blocks when the load is reported; a save would free them a second time
-            # (and they hold nothing computed yet)
-            self._key_cache.pop(rid, None)
-            return False, self._params(rid, b"", 0, None, restored, restore_ms, 0, 0)
+        restored, restore_ms, seen_epoch, loading = self._end_or_loading(rid)
+        if loading is not None:
+            return False, loading
         full = full_groups(self.geom)
         held_blocks = min(len(block_ids[g]) for g in (full or range(len(block_ids))))
         n_blocks = min(_saveable_tokens(request) // self.bs, held_blocks)
@@ -225,6 +216,21 @@ class Finish(Saves):
         self._capped.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         return restored, restore_ms, self._epoch_of.pop(rid, self.identities.epoch)
+
+    def _end_or_loading(self, rid: str) -> tuple[dict[str, int], float, int,
+                                                  dict[str, Any] | None]:
+        """``_end_request``, and the ``kv_transfer_params`` of a request that finished
+        (was aborted) while its asynchronous load (a hybrid model's, or a streamed one)
+        is in flight, else None. Such a request saves nothing: its blocks hold nothing
+        computed yet, and vLLM frees them when the load is reported (a save would free
+        them a second time)."""
+        loading = rid in self._recving
+        restored, restore_ms, seen_epoch = self._end_request(rid)
+        if not loading:
+            return restored, restore_ms, seen_epoch, None
+        self._key_cache.pop(rid, None)
+        return (restored, restore_ms, seen_epoch,
+                self._params(rid, b"", 0, None, restored, restore_ms, 0, 0))
 
     def _params(self, rid: str, ns: bytes, tokens: int, last: ChunkKey | None,
                 restored: dict[str, int], restore_ms: float, saved: int,
