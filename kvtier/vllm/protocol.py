@@ -15,6 +15,14 @@ the worker reports each one received (or failed: vLLM cannot map a block-level e
 request when there are several groups, and recomputes the request). A streamed request's
 loads arrive over several steps: while its id is in ``KVTierMetadata.more``, more of its
 loads follow, and the worker does not report it received.
+
+A save streamed through the host pool (``kvtier/vllm/savestream.py``: a finishing request
+with more new chunks than the pool has free slots) goes the same way in the other
+direction: its copies arrive over several steps while its id is in
+``KVTierMetadata.saves_more`` (the worker does not report it finished sending, so vLLM
+keeps its blocks), and the saves of a request in ``KVTierMetadata.saves_acked`` are
+acknowledged per step (``KVTierWorkerMetadata.saved_steps``), so the scheduler commits
+each step's slots as soon as they are copied and they can be written below and reused.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ class KVTierMetadata(KVConnectorMetadata):
     async_reqs: list[str] = field(default_factory=list)
     #: asynchronously loading requests whose loads continue in a later step
     more: list[str] = field(default_factory=list)
+    #: requests whose saves in this step are acknowledged per step (streamed saves)
+    saves_acked: list[str] = field(default_factory=list)
+    #: requests whose saves continue in a later step (not finished sending yet)
+    saves_more: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,11 +74,18 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     finished its loads; the scheduler releases the step's host slots only once it has
     counted every rank, over as many outputs as that takes), ``failed_saves`` a union
     (the scheduler keeps a failure until vLLM reports that request's save finished on
-    every rank)."""
+    every rank).
+
+    ``saved_steps`` and ``failed_save_steps`` (multisets, like ``loaded_steps``): steps
+    whose per-step acknowledged saves (``KVTierMetadata.saves_acked``) this rank finished
+    copying, all of them, or with at least one failure. A step is settled once every rank
+    reported it in one list or the other; failed if any rank failed it."""
 
     loaded_steps: list[int] = field(default_factory=list)
     failed_saves: list[str] = field(default_factory=list)
     step: int = 0
+    saved_steps: list[int] = field(default_factory=list)
+    failed_save_steps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -74,4 +93,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             sorted(self.loaded_steps + other.loaded_steps),
             sorted(set(self.failed_saves) | set(other.failed_saves)),
             max(self.step, other.step),
+            sorted(self.saved_steps + other.saved_steps),
+            sorted(self.failed_save_steps + other.failed_save_steps),
         )

@@ -114,6 +114,11 @@ class WorkerSide:
         self._finished: set[str] = set()  # finished id seen, still copying
         self._failed: set[str] = set()  # failed, not reported yet
         self._failed_saves: set[str] = set()  # failed, reported this step
+        # Streamed saves (``KVTierMetadata.saves_acked`` / ``saves_more``): per step, the
+        # handles of its acknowledged saves and whether one failed, until reported
+        self._acked: dict[int, tuple[list[CopyHandle], bool]] = {}
+        self._streaming: set[str] = set()  # ever in ``saves_more``, not reported finished
+        self._saves_more: set[str] = set()  # this step's ``saves_more``
 
     def register(
         self,
@@ -246,7 +251,9 @@ class WorkerSide:
                 self._said_layer_wise = True
                 log.info("kvtier worker: loads are waited for layer by layer (issue %s, %d "
                          "layers)", self.copier.issue, len(self.layer_names))
-        self._start_saves(meta.saves)
+        self._saves_more = set(meta.saves_more)
+        self._streaming |= self._saves_more
+        self._start_saves(meta.saves, meta.step, set(meta.saves_acked))
         self._copy_s += time.perf_counter() - t0
 
     def _start_loads(self, step: int, ops: list[CopyOp], *,
@@ -330,7 +337,13 @@ class WorkerSide:
         self._copy_s = 0.0
         return seconds
 
-    def _start_saves(self, ops: list[CopyOp]) -> None:
+    def _start_saves(self, ops: list[CopyOp], step: int = 0,
+                     acked: set[str] | frozenset[str] = frozenset()) -> None:
+        """Issue ``ops``; the handles of those of ``acked`` requests are also kept under
+        ``step`` until ``worker_meta`` reports the step saved (or failed)."""
+        ack_ops = [op for op in ops if op.req_id in acked]
+        if ack_ops:
+            self._acked[step] = ([], False)
         if self.geom.replicated and self.tp_rank != 0:
             self._saved.update(op.req_id for op in ops)  # rank 0 writes the one copy
             return
@@ -344,6 +357,12 @@ class WorkerSide:
                 results.update((id(op), SaveFailed(e)) for op in group_ops)
         for op in ops:  # in the scheduler's order: a request's last op's handle last
             result = results[id(op)]
+            if op.req_id in acked:
+                handles, _ = self._acked[step]
+                if isinstance(result, SaveFailed):
+                    self._acked[step] = (handles, True)
+                else:
+                    handles.append(result)
             if isinstance(result, SaveFailed):
                 if op.req_id not in self._failed:
                     log.error("kvtier: save of %s failed; not stored: %s", op.req_id,
@@ -372,12 +391,17 @@ class WorkerSide:
         free to go), in the same step as its id in ``worker_meta().failed_saves``, so the
         scheduler aborts it. State held: only saves and loads not yet reported.
         """
-        self._finished |= finished_req_ids & self._in_flight.keys()
+        self._finished |= finished_req_ids & (self._in_flight.keys() | self._streaming)
         for rid, handle in list(self._in_flight.items()):
             if handle.done():
                 del self._in_flight[rid]
                 self._saved.add(rid)
-        ready = self._saved & ((finished_req_ids | self._finished) - self._in_flight.keys())
+        # a streamed save is finished once its last copies came (not in ``saves_more``)
+        # and are done, whether or not its last steps carried any
+        ended = self._streaming - self._saves_more
+        ready = ((self._saved | ended) - self._saves_more) & (
+            (finished_req_ids | self._finished) - self._in_flight.keys())
+        self._streaming -= ready
         self._saved -= ready
         self._finished -= ready
         self._failed_saves |= ready & self._failed
@@ -418,9 +442,16 @@ class WorkerSide:
             self._loading = [(s, ld) for s, ld in self._loading if s in pending]
             self._failed_steps -= set(loaded)
         step, self._ran_step = self._ran_step, 0
-        if not loaded and not self._failed_saves and not step:
+        saved: list[int] = []
+        failed: list[int] = []
+        for s, (handles, bad) in list(self._acked.items()):
+            if all(h.done() for h in handles):
+                del self._acked[s]
+                (failed if bad else saved).append(s)
+        if not loaded and not self._failed_saves and not step and not saved and not failed:
             return None
-        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves), step)
+        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves), step,
+                                    sorted(saved), sorted(failed))
         self._failed_saves = set()
         return meta
 
@@ -430,6 +461,7 @@ class WorkerSide:
                 "finished_waiting": len(self._finished), "failed_unreported": len(self._failed),
                 "loads_copying": len(self._loading) + (self._loads is not None),
                 "loads_unreported": len(self._recving),
+                "save_steps_unreported": len(self._acked), "saves_streaming": len(self._streaming),
                 "load_errors": len(self._load_errors)}
 
     def close(self) -> None:

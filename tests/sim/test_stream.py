@@ -112,3 +112,25 @@ def test_a_tier_that_hangs_mid_stream_costs_a_recompute_not_the_request(
         world.unhang()
     _run(world, peak)
     check_quiescent(world)
+
+
+def test_one_turn_longer_than_the_host_pool_is_saved_whole(world: SimWorld) -> None:
+    """A first turn of 9 chunks through 3 host slots: its save streams (``_SaveStream``:
+    each step's copies are committed once acknowledged, written below, and their slots
+    reused), so all 9 chunks are stored by one turn; before, it stored the 3 that had a
+    slot. vLLM's own cache then forgets it: the return restores every chunk."""
+    side = world.connector.scheduler_side
+    world.add("a", PROMPT, max_tokens=2)
+    peak, streamed = [0], False
+    for _ in range(300):
+        if world.idle and not side.has_pending_saves():
+            break
+        _step(world, peak)
+        streamed = streamed or "a" in side._save_streams
+    assert streamed and not side._save_streams
+    assert peak[0] <= side.store.host.pool.num_slots
+    assert world.scheduler.reset_prefix_cache()
+    world.add("b", [*PROMPT, 7, 8, 9], max_tokens=2)
+    _run(world, peak)
+    assert world.restored["b"] >= 9 * CT
+    check_quiescent(world)

@@ -69,15 +69,15 @@ def test_a_restore_from_the_file_tier_reports_its_queue_read_and_staged_time(
 
 def test_a_restore_that_waited_for_the_staging_cap_reports_it(
         sched: SchedulerSide, export: m.StatsBatch) -> None:
-    first, second = _conversation(1), _conversation(2)
+    first, second = _conversation(1, chunks=4), _conversation(2)
     _saved_below(sched, first, "a")
     _saved_below(sched, second, "b")
     a = request_record("a2", [*first, 9], computed=0)
     b = request_record("b2", [*second, 9], computed=0)
-    assert ask(sched, a) == 3 * CT  # staged: 3 of the cap's 4 chunks, not admitted yet
+    assert ask(sched, a) == 4 * CT  # staged: the cap's 4 chunks, not admitted yet
     export.drain()
-    assert ask(sched, b) is None  # 3 + 3 > 4: no room until a is admitted
-    sched.update_state_after_alloc(a, Blocks(list(range(4))), 3 * CT)
+    assert ask(sched, b) is None  # no room (not even to stream) until a is admitted
+    sched.update_state_after_alloc(a, Blocks(list(range(5))), 4 * CT)
     assert ask(sched, b) == 3 * CT
     stages = _stages(export)
     assert len(stages["cap"]) == 1 and stages["cap"][0] > 0

@@ -40,10 +40,25 @@ def sched(tmp_path: Path) -> Iterator[SchedulerSide]:
 
 
 def _step(sched: SchedulerSide, sent: set[str] | None = None) -> None:
-    """One engine step: the worker copies its loads and saves and reports them."""
+    """One engine step: the worker copies its loads and saves and reports them (a step
+    with streamed saves is acknowledged as the worker does, ``saved_steps``)."""
     meta = sched.build_meta()
+    acked = any(op.req_id in meta.saves_acked for op in meta.saves)
     sched.on_worker_output(sent, KVTierWorkerMetadata(
-        loaded_steps=[meta.step] if meta.loads else [], step=meta.step))
+        loaded_steps=[meta.step] if meta.loads else [], step=meta.step,
+        saved_steps=[meta.step] if acked else []))
+
+
+def _finish(sched: SchedulerSide, rid: str, out: list[int]) -> None:
+    """``rid`` finishes with ``out``: its save is copied (over as many steps as a
+    streamed save takes, the disk writing between steps), then reported finished."""
+    sched.request_finished(request_record(rid, out), list(range(-(-len(out) // BS))))
+    for _ in range(100):
+        _step(sched)
+        if rid not in sched._save_streams:
+            break
+        assert sched.store.flush(10.0)  # an idle disk: the queued writes are done
+    _step(sched, {rid})  # the save is copied: its chunks are committed, dirty
 
 
 def test_users_taking_turns_restore_their_whole_history_and_no_save_is_dropped(
@@ -63,9 +78,7 @@ def test_users_taking_turns_restore_their_whole_history_and_no_save_is_dropped(
             sched.update_state_after_alloc(req, Blocks(blocks), n)
             _step(sched)  # the loads are copied; their host slots are released
             out = [*prompt, *(rng.randrange(3, 500) for _ in range(4))]
-            sched.request_finished(request_record(rid, out), list(range(-(-len(out) // BS))))
-            _step(sched)
-            _step(sched, {rid})  # the save is copied: its chunks are committed, dirty
+            _finish(sched, rid, out)
             assert sched.store.flush(10.0)  # an idle disk: every queued write is done
             convs[u] = out
     drops = export.drain().get(m.DROPS.name, {})
@@ -74,9 +87,11 @@ def test_users_taking_turns_restore_their_whole_history_and_no_save_is_dropped(
 
 def test_a_pool_smaller_than_one_conversation_restores_all_it_stored(
         tmp_path: Path) -> None:
-    """5 slots (a staging cap of 2) against 6-chunk histories: every return restores the
-    whole prefix the tiers hold, streamed through the window (``stream.py``); before,
-    a restore stopped where the pool ran out of slots."""
+    """5 slots (a staging cap of 2) against 6-chunk histories: every turn's save streams
+    all its chunks through the pool (``_SaveStream``: before, a save stopped where the
+    pool ran out of free slots), and every return restores the whole prefix the tiers
+    hold, streamed through the window (``stream.py``; before, a restore stopped where the
+    pool ran out of slots)."""
     import concurrent.futures as cf
 
     sched = small_pool_sched(tmp_path, GEOM, NS, CT, 5)
@@ -90,6 +105,9 @@ def test_a_pool_smaller_than_one_conversation_restores_all_it_stored(
                 rid = f"{u}-{r}"
                 req = request_record(rid, prompt, computed=0)
                 stored = sched.store.lookup_indexed(sched.chunk_keys(req)).hits
+                if r:  # the last turn's save streamed every chunk through the pool (the
+                    # last token's KV is not computed: it is not saved)
+                    assert stored == (len(conv) - 1) // CT, (rid, stored)
                 n = ask(sched, req) or 0
                 assert n == stored * CT, (rid, n, stored)
                 sched.update_state_after_alloc(req, Blocks(list(range(-(-len(prompt) // BS)))),
@@ -107,13 +125,41 @@ def test_a_pool_smaller_than_one_conversation_restores_all_it_stored(
                 if rid in sched._recving:  # the worker reports the request received
                     sched.on_worker_output(None, None, finished_recving={rid})
                 out = [*prompt, *(rng.randrange(3, 500) for _ in range(4))]
-                sched.request_finished(request_record(rid, out),
-                                       list(range(-(-len(out) // BS))))
-                _step(sched)
-                _step(sched, {rid})
+                _finish(sched, rid, out)
                 assert sched.store.flush(10.0)
                 convs[u] = out
         assert streamed >= 3
         assert sched.store.host.index.num_held() == 0
+    finally:
+        sched.close()
+
+
+def test_a_restore_over_the_staging_cap_streams_and_no_wait_outlasts_its_bound(
+        tmp_path: Path, export: m.StatsBatch) -> None:
+    """Requests that return together: the first one's staged chunks (waiting for vLLM to
+    admit it) fill most of the staging cap (8 of 16 slots). The second streams through
+    the room left instead of waiting for that admission; the third finds no room at all
+    and waits, but only as long as its recompute would take (here, unmeasured: the load's
+    stall allowance): then vLLM recomputes it (``staging_cap``)."""
+    sched = small_pool_sched(tmp_path, GEOM, NS, CT, SLOTS)
+    try:
+        rng = random.Random(2)
+        convs = [[rng.randrange(3, 500) for _ in range(6 * CT + 8)] for _ in range(3)]
+        for u, conv in enumerate(convs):
+            req = request_record(f"w{u}", conv, computed=0)
+            assert ask(sched, req) == 0
+            _finish(sched, f"w{u}", conv)
+            assert sched.store.flush(10.0)
+        reqs = [request_record(f"r{u}", [*conv, 7, 8], computed=0)
+                for u, conv in enumerate(convs)]
+        assert ask(sched, reqs[0]) == 6 * CT  # staged whole: 6 of the cap's 8
+        assert sched._lookups["r0"].stream is None
+        assert ask(sched, reqs[1]) == 6 * CT  # through the 2 slots left
+        assert sched._lookups["r1"].stream is not None  # claimed as a streamed load
+        assert ask(sched, reqs[2]) is None  # no room: it waits
+        assert export.drain().get(m.DROPS.name, {}).get("staging_cap", 0) == 0
+        sched.clock.advance(sched.load_stall_s + 0.1)  # type: ignore[attr-defined]
+        assert ask(sched, reqs[2]) == 0  # waited as long as allowed: recompute
+        assert export.drain().get(m.DROPS.name, {}).get("staging_cap", 0) == 1
     finally:
         sched.close()

@@ -54,3 +54,18 @@ def test_a_prompt_longer_than_the_host_pool_is_restored_whole(small: LLMWorker) 
     assert _kvtier(got)["restored_tokens"] >= 7 * CT, _kvtier(got)
     assert set(_kvtier(got)["restored_by_tier"]) == {"file1"}
     assert got.token_ids == ref.token_ids
+
+
+def test_one_turn_longer_than_the_host_pool_is_saved_whole(small: LLMWorker) -> None:
+    """The save streams too (``_SaveStream``): one turn of 7 whole chunks through 4 host
+    slots stores all of them (each step's copies are committed, written below and their
+    slots reused), and the return restores them from the file tier."""
+    p = tokens(1000, seed=131)
+    ref = small.generate([p], max_tokens=OUT, cache_salt=["ref-save-stream"]).outputs[0]
+    first = small.generate([p[:990]], max_tokens=OUT).outputs[0]
+    assert _kvtier(first)["tokens"] >= 2 * CT  # announced as far as slots were free
+    small.reset_until_done()
+    got = small.generate([p], max_tokens=OUT).outputs[0]
+    assert _kvtier(got)["restored_tokens"] >= 7 * CT, _kvtier(got)
+    assert set(_kvtier(got)["restored_by_tier"]) == {"file1"}
+    assert got.token_ids == ref.token_ids

@@ -87,7 +87,7 @@ class Finish(Saves):
             assert tail is not None
             tokens, last = tokens + tail.span * self.bs, tail.key
         whole = n_chunks * self.slot_bytes + (tail.meta.payload_len if tail else 0)
-        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
+        return self._delays(rid, saved), self._params(rid, ns, tokens, last, restored, restore_ms,
                                        saved, whole)
 
     def request_finished_groups(
@@ -154,8 +154,8 @@ class Finish(Saves):
                                         supersede=False, baseline=whole)
         self._key_cache.pop(rid, None)
         tokens, last = (end, saves[-1].key) if complete and held == len(saves) else (0, None)
-        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms, saved,
-                                       whole)
+        return self._delays(rid, saved), self._params(rid, ns, tokens, last, restored,
+                                                      restore_ms, saved, whole)
 
     def _window_finished(
         self, request: Any, n_chunks: int, tail_blocks: int, block_ids: Sequence[int],
@@ -197,8 +197,13 @@ class Finish(Saves):
                                                 baseline=whole)
                 tokens, last = (end, part_keys[-1]) if held == len(pieces) else (0, None)
         self._key_cache.pop(rid, None)
-        return saved > 0, self._params(rid, ns, tokens, last, restored, restore_ms,
+        return self._delays(rid, saved), self._params(rid, ns, tokens, last, restored, restore_ms,
                                        saved, whole)
+
+    def _delays(self, rid: str, saved: int) -> bool:
+        """Whether vLLM keeps ``rid``'s blocks after it finished: while its save copies
+        ``saved`` bytes, or waits for host slots (a streamed save)."""
+        return saved > 0 or rid in self._save_streams
 
     def _end_request(self, rid: str) -> tuple[dict[str, int], float, int]:
         """A finished (or aborted) request's per-request state is dropped: returns what it
@@ -214,6 +219,7 @@ class Finish(Saves):
         self._recving.discard(rid)
         self._load_failed.discard(rid)
         self._capped.pop(rid, None)
+        self._cap_since.pop(rid, None)
         restored, restore_ms = self._restored.pop(rid, ({}, 0.0))
         return restored, restore_ms, self._epoch_of.pop(rid, self.identities.epoch)
 

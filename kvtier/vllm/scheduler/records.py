@@ -165,3 +165,34 @@ class _Save:
     #: copy of that chunk's start)
     supersedes: list[ChunkKey] = field(default_factory=list)
 
+
+
+@dataclass
+class _SaveStream:
+    """A save streamed through the host pool (``Saves._save_pieces``): a finishing
+    request's pieces that found no free host slot wait here, in chain order, and get one
+    as the slots of the pieces before them are copied, committed and written below.
+    vLLM keeps the request's blocks until the last copy is done (``saves_more``). Each
+    step's copies are committed when every rank acknowledged them (``saved_steps``); one
+    that failed aborts its slots and ends the stream (a prefix with a hole is not
+    reusable). A piece that waits for a slot longer than ``wait_s`` ends it too: the
+    pieces after it are not saved (the same as an unstreamed save that found no slot).
+    Scheduler thread only."""
+
+    #: pieces not given a slot yet, in chain order
+    pending: list[_SavePiece]
+    #: when the first pending piece started waiting (the scheduler's monotonic clock)
+    since: float
+    #: the longest a piece waits for a slot
+    wait_s: float
+    #: slots whose copies go out in the next step's metadata
+    issued: list[tuple[int, ChunkMeta]] = field(default_factory=list)
+    #: step -> its slots, copied out, until every rank acknowledged the step
+    by_step: dict[int, list[tuple[int, ChunkMeta]]] = field(default_factory=dict)
+    #: shorter tails the first piece supersedes (dropped once its step commits)
+    supersedes: list[ChunkKey] = field(default_factory=list)
+    failed: bool = False
+
+    def done(self) -> bool:
+        """Nothing left to give a slot, copy or acknowledge."""
+        return not (self.pending or self.issued or self.by_step)

@@ -5,6 +5,7 @@ store's reserve and lookups of its indexes).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,10 @@ from kvtier.vllm.scheduler.keys import RequestKeys
 from kvtier.vllm.scheduler.records import (
     _Save,
     _SavePiece,
+    _SaveStream,
 )
+
+log = logging.getLogger("kvtier.vllm")
 
 
 class Saves(RequestKeys):
@@ -95,12 +99,18 @@ class Saves(RequestKeys):
         saves: list[tuple[int, ChunkMeta]] = []
         later: list[ChunkKey] = []  # superseded once this save commits
         nbytes = 0
+        stream: _SaveStream | None = None
         for c, piece in enumerate(pieces, start=stored):
             slot = self.store.reserve(piece.key)
             if slot is None and shared and self.store.saving(piece.key):
                 slot = self.store.reserve(piece.key, backup=True)
             if slot is None:
                 if not self.store.holds(piece.key):
+                    if self._streams_saves():
+                        # the rest waits for slots as the ones before it are written
+                        # below (``_advance_save_streams``); announced as far as it got
+                        stream = self._save_stream(pieces[c - stored :])
+                        break
                     record_drop("host_full")
                     break
                 if c == stored and supersede:  # another request's copy is (being) stored
@@ -121,9 +131,124 @@ class Saves(RequestKeys):
             if announce == c and len(saves) <= room:
                 announce = c + 1
         record_spill(nbytes, baseline)
-        if saves:
+        if stream is not None:
+            stream.issued, stream.supersedes = saves, later
+            self._save_streams[rid] = stream
+        elif saves:
             self._saves[rid] = _Save(saves, later)
         return nbytes, announce
+
+    def _streams_saves(self) -> bool:
+        """Whether a save that finds no free host slot waits for one (``_SaveStream``):
+        on a node that serves its own requests (a P/D node's announcement must name only
+        pieces that have a slot), with a tier below that the host pool's chunks are
+        written to, so that slots come free as the pieces before are written."""
+        return self.role == "both" and bool(self.store.lower)
+
+    def _save_stream(self, pending: list[_SavePiece]) -> _SaveStream:
+        """A stream for ``pending`` (pieces that found no slot, in chain order). Its wait
+        for a slot is the load's stall allowance, or (storage suspect) the recompute of
+        what it would save (``waitbound``)."""
+        now = self.clock.monotonic()
+        tokens = sum((p.span or self.bpc) * self.bs for p in pending)
+        return _SaveStream(pending, now, self.waits.seconds(self.load_stall_s, 0, tokens, now))
+
+    def _advance_save_streams(self) -> None:
+        """Give the streams' waiting pieces the host slots that came free, in chain order,
+        at most ``_stream_window`` uncommitted per stream; end a stream whose next piece
+        waited past its bound (the rest is not saved). Memory only."""
+        now = self.clock.monotonic()
+        for rid, st in list(self._save_streams.items()):
+            in_flight = len(st.issued) + sum(len(v) for v in st.by_step.values())
+            while st.pending and not st.failed and in_flight < self._stream_window:
+                piece = st.pending[0]
+                slot = self.store.reserve(piece.key)
+                if slot is None:
+                    if self.store.holds(piece.key):  # stored meanwhile, or being saved
+                        st.pending.pop(0)
+                        st.since = now
+                        continue
+                    if now - st.since > st.wait_s:
+                        log.info("kvtier: save of %s waited %.2f s for a host slot; %d "
+                                 "pieces not saved", rid, now - st.since, len(st.pending))
+                        record_drop("host_full")
+                        self.waits.missed(now)  # the write-back does not keep up
+                        st.pending = []
+                    break
+                st.pending.pop(0)
+                st.since = now
+                st.issued.append((slot, piece.meta))
+                in_flight += 1
+                self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span,
+                                            piece.group))
+                record_spill(piece.meta.payload_len, 0)
+            if st.pending and in_flight >= self._stream_window:
+                st.since = now  # waiting for its own copies, not for the pool
+            if st.done():
+                del self._save_streams[rid]
+
+    def _stamp_save_streams(self, step: int) -> tuple[list[str], list[str]]:
+        """The streams' slots issued for ``step`` (the metadata being built) wait for its
+        acknowledgement; returns (requests acknowledged per step, requests whose saves
+        continue after this step). Memory only."""
+        for st in self._save_streams.values():
+            if st.issued:
+                st.by_step[step], st.issued = st.issued, []
+        return (sorted(self._save_streams),
+                sorted(rid for rid, st in self._save_streams.items() if st.pending))
+
+    def _end_save_stream(self, rid: str, failed: bool) -> None:
+        """vLLM reported ``rid``'s save finished on every rank (``finished_sending``):
+        every copy it was given is done. Steps not acknowledged yet are settled now
+        (committed, unless a rank reported the request's save failed); slots given out
+        for a step not yet sent are aborted and their copies withdrawn (vLLM frees the
+        blocks now). A worker reports a streamed save finished only after its last step,
+        so those two are for workers that do not acknowledge steps."""
+        st = self._save_streams.pop(rid, None)
+        if st is None:
+            return
+        bad = failed or st.failed
+        for step in sorted(st.by_step):
+            for slot, meta in st.by_step[step]:
+                if bad:
+                    self.store.abort(slot)
+                else:
+                    self.store.commit(slot, meta)
+        if st.supersedes and st.by_step and not bad:
+            self.store.discard(st.supersedes)
+        if st.issued:
+            for slot, _ in st.issued:
+                self.store.abort(slot)
+            self._to_save = [op for op in self._to_save if op.req_id != rid]
+
+    def _save_step_acked(self, step: int, failed: bool) -> None:
+        """One rank acknowledged ``step``'s streamed saves (``failed``: one of its copies
+        failed). Once every rank has, the step's slots are committed, or aborted if any
+        rank failed or the stream failed before (its chain has a hole): the stream ends."""
+        n, bad = self._save_acks.pop(step, (0, False))
+        n, bad = n + 1, bad or failed
+        if n < self.geom.tp_world:
+            self._save_acks[step] = (n, bad)
+            return
+        for rid, st in list(self._save_streams.items()):
+            slots = st.by_step.pop(step, None)
+            if slots is None:
+                continue
+            if bad and not st.failed:
+                log.error("kvtier: streamed save of %s failed; the rest is not saved", rid)
+            st.failed = st.failed or bad
+            for slot, meta in slots:
+                if st.failed:
+                    self.store.abort(slot)
+                else:
+                    self.store.commit(slot, meta)
+            if st.failed:
+                st.pending = []
+            elif st.supersedes:
+                self.store.discard(st.supersedes)
+                st.supersedes = []
+            if st.done():
+                del self._save_streams[rid]
 
     def _superseded(self, request: Any, keys: Sequence[ChunkKey], chunk: int,
                     blocks: int) -> list[ChunkKey]:

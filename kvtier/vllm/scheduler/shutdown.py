@@ -44,6 +44,8 @@ class Shutdown(SchedulerState):
                      "" if empty else "; dirty or busy chunks remain (written, then dropped)")
             return empty
         self.identities.bump_epoch()  # cached keys are rebuilt (_Keys.epoch)
+        for st in self._save_streams.values():
+            st.pending = []  # computed with the old weights: copy no more of it
         if self.role != "both":
             log.warning("kvtier: %s node: after this weights reset it shares KV with no "
                         "node that has not reset with it (the epoch is this engine's "

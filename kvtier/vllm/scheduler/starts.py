@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey, group_key
+from kvtier.metrics import record_drop
 from kvtier.objformat import ChunkSpec
 from kvtier.store import Lookup
 from kvtier.vllm.hybrid import full_groups
@@ -83,9 +84,16 @@ class ShapeStarts(Probes):
         if d.chunks == 0:
             return 0, False
         staged = self._staged_chunks()
-        if staged and staged + d.chunks > self._staged_cap:
-            self._capped.setdefault(rid, time.perf_counter())
-            return None, False  # staged KV is waiting for admission: ask again
+        # Other requests' staged KV fills the cap (it waits for admission): a restore
+        # of more than one entry streams through the room left instead of waiting for
+        # them; with no room for its first window, it waits (bounded: ``_cap_refused``)
+        head = max(1, self._stream_window // 2)
+        over = bool(staged) and staged + d.chunks > self._staged_cap
+        if over:
+            head = min(head, self._staged_cap - staged)
+            if d.chunks < 2 or head < 1:
+                return self._cap_refused(rid, num_computed, lim)
+        self._cap_since.pop(rid, None)
         full = min(d.chunks, hit.hits)
         found, specs = hit.head(full), [self._spec(ns)] * full
         tail_blocks = 0
@@ -96,14 +104,36 @@ class ShapeStarts(Probes):
         lk = _Staging(keys, first, full=full, tail_blocks=tail_blocks,
                      t0=t0, threshold=own, progress=self._progress(rid),
                      chunks=len(specs))
-        if found.hits > self._staged_cap:
-            # more than the staging cap holds: stream it; its first entries are staged
-            # now, and prove the store answers before the whole prefix is claimed
+        if found.hits > self._staged_cap or (over and found.hits > head):
+            # more than the staging cap holds (or has room for now): stream it; its first
+            # entries are staged now, and prove the store answers before the whole
+            # prefix is claimed
             lk.stream = (found, specs)
-            lk.chunks = max(1, self._stream_window // 2)
+            lk.chunks = head
             found, specs = found.head(lk.chunks), specs[: lk.chunks]
         lk.future = self.store.load(found, specs, lk.progress)
         return lk
+
+    def _cap_refused(self, rid: str, start_tokens: int,
+                     end_tokens: int) -> tuple[int | None, bool]:
+        """The hook's answer while the staging cap has no room for ``rid``'s restore of
+        tokens ``[start_tokens, end_tokens)``: ask again (None), until it has waited as
+        long as their recompute would take (``waitbound``; the configured load stall
+        while the engine's speed is unmeasured): then 0, vLLM recomputes
+        (``kvtier_drops_total{reason="staging_cap"}``). Before this bound a request could
+        wait for room as long as other requests' staged KV waited for admission (up to
+        ``STAGED_STEPS`` engine steps). Memory only."""
+        now = self.clock.monotonic()
+        since = self._cap_since.setdefault(rid, now)
+        self._capped.setdefault(rid, time.perf_counter())
+        if now - since <= self.waits.seconds(self.load_stall_s, start_tokens, end_tokens):
+            return None, False
+        self._cap_since.pop(rid, None)
+        self._capped.pop(rid, None)
+        record_drop("staging_cap")
+        log.info("kvtier: %s waited %.2f s for room under the staging cap; recomputing",
+                 rid, now - since)
+        return 0, False
 
     def _stage_whole(self, request: Any, keys: list[ChunkKey], first: int,
                      num_computed: int, end: int, found: Lookup, specs: list[ChunkSpec],
@@ -118,8 +148,8 @@ class ShapeStarts(Probes):
             return 0, False
         held = self._staged_chunks()
         if held and held + len(specs) > self._staged_cap:
-            self._capped.setdefault(request.request_id, time.perf_counter())
-            return None, False
+            return self._cap_refused(request.request_id, num_computed, end)
+        self._cap_since.pop(request.request_id, None)
         lk = _Staging(keys, first, threshold=own, progress=self._progress(request.request_id),
                      chunks=len(specs), end=end, asked_at=num_computed, **staged)
         lk.future = self.store.load(found, specs, lk.progress)

@@ -34,6 +34,7 @@ from kvtier.vllm.scheduler.records import (
     _request_params,
     _request_threshold,
     _Save,
+    _SaveStream,
     _Staging,
 )
 from kvtier.vllm.scheduler.shapes import Shape
@@ -87,6 +88,10 @@ class SchedulerState:
         self.waits = WaitBound(steps_model.steps)
         self._lookups: dict[str, _Staging] = {}
         self._saves: dict[str, _Save] = {}
+        #: req -> its save streamed through the host pool (``Saves._save_pieces``)
+        self._save_streams: dict[str, _SaveStream] = {}
+        #: step -> (ranks that acknowledged its streamed saves, whether one failed)
+        self._save_acks: dict[int, tuple[int, bool]] = {}
         self._loads: list[CopyOp] = []
         self._load_holds: list[Held] = []
         self._to_save: list[CopyOp] = []
@@ -107,6 +112,8 @@ class SchedulerState:
         self._load_failed: set[str] = set()
         #: req -> when the staging cap first refused it room (stage ``cap``)
         self._capped: dict[str, float] = {}
+        #: req -> when (``clock``) the staging cap first refused it: its wait's deadline
+        self._cap_since: dict[str, float] = {}
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
         #: a restore of more entries than the staging cap is streamed through this many

@@ -13,11 +13,12 @@ from kvtier.metrics import record_failed_loads
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler.load import Loads
 from kvtier.vllm.scheduler.records import STAGED_STEPS
+from kvtier.vllm.scheduler.save import Saves
 
 log = logging.getLogger("kvtier.vllm")
 
 
-class Steps(Loads):
+class Steps(Loads, Saves):
     """Step metadata out, worker reports in."""
 
     def build_meta(self, scheduler_output: Any = None) -> KVTierMetadata:
@@ -30,9 +31,11 @@ class Steps(Loads):
             self.step_timer.built(self._step, scheduler_output, self._loads)
         if self._streams:
             self._advance_streams()
+        acked, saves_more = self._stamp_save_streams(self._step)
         meta = KVTierMetadata(self._step, self._loads, self._to_save,
                               async_loads=self.shape.async_loads,
-                              async_reqs=self._async_reqs, more=sorted(self._streams))
+                              async_reqs=self._async_reqs, more=sorted(self._streams),
+                              saves_acked=acked, saves_more=saves_more)
         if self._load_holds:
             self._holds_by_step[self._step] = self._load_holds
         self._loads, self._to_save, self._load_holds, self._async_reqs = [], [], [], []
@@ -68,15 +71,23 @@ class Steps(Loads):
                 self._load_acks.pop(step, None)
                 for held in self._holds_by_step.pop(step, []):
                     held.release()
+            for step in worker_meta.saved_steps:
+                self._save_step_acked(step, False)
+            for step in worker_meta.failed_save_steps:
+                self._save_step_acked(step, True)
             if self._streams:  # slots came back: the next reads start now
                 self._advance_streams()
+            if self._save_streams:  # and the next streamed saves get theirs
+                self._advance_save_streams()
             # a rank's failure comes with its own report; the save is finished (below)
             # only once every rank has reported it, possibly steps later
-            self._failed_saves.update(r for r in worker_meta.failed_saves if r in self._saves)
+            self._failed_saves.update(r for r in worker_meta.failed_saves
+                                      if r in self._saves or r in self._save_streams)
         for rid in finished_sending or ():
             save = self._saves.pop(rid, None)
             failed = rid in self._failed_saves
             self._failed_saves.discard(rid)
+            self._end_save_stream(rid, failed)
             if save is None:
                 continue
             lost: list[ChunkKey] = []
@@ -94,7 +105,7 @@ class Steps(Loads):
                 self.store.rewrite_through(lost)
 
     def has_pending_saves(self) -> bool:
-        return bool(self._saves)
+        return bool(self._saves or self._save_streams)
 
     def _release_stale_staging(self) -> None:
         """Release staged lookups vLLM did not admit within ``STAGED_STEPS`` steps (their
