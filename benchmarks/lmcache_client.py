@@ -25,7 +25,8 @@ Files: ``lmcache_client.json`` (summary + machine) and ``.md`` (the table).
 
 Example::
 
-    .venv/bin/python benchmarks/lmcache_client.py --client-dir ~/LMCache/benchmarks/multi_round_qa \\
+    .venv/bin/python benchmarks/lmcache_client.py \\
+        --client-dir ~/LMCache/benchmarks/multi_round_qa \\
         --client-python /path/to/venv-with-openai-and-pandas/bin/python
 """
 
@@ -71,7 +72,8 @@ def local_config(path: Path, store: Path, host_capacity: str) -> Path:
     return path
 
 
-def run_client(args: argparse.Namespace, url: str, out_csv: Path, log: Path) -> list[dict[str, str]]:
+def run_client(args: argparse.Namespace, url: str, out_csv: Path,
+               log: Path) -> list[dict[str, str]]:
     """LMCache's client against ``url`` for ``--time`` seconds; its CSV rows."""
     cmd = [args.client_python, "multi-round-qa.py",
            "--num-users", str(args.users), "--shared-system-prompt", str(args.system_tokens),
@@ -101,13 +103,17 @@ def run_server(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
         time.sleep(1.0)
         text = httpx.get(server.url + "/metrics", timeout=30).text
     back = [float(r["ttft"]) for r in rows if int(r["question_id"]) >= 2]
+    if not back:
+        raise RuntimeError(f"{name}: no returning round finished in {args.time} s; "
+                           f"see {tmp / (name + '.client.log')} (--keep-dir keeps it)")
     first = [float(r["ttft"]) for r in rows if int(r["question_id"]) == 1]
     return {
         "gpu_blocks": blocks,
         "requests": len(rows),
         "returning": len(back),
         "returning_median_s": statistics.median(back),
-        "returning_p90_s": statistics.quantiles(back, n=10)[-1],
+        "returning_p90_s": (statistics.quantiles(back, n=10)[-1] if len(back) > 1
+                            else max(back)),
         "returning_max_s": max(back),
         "round1_median_s": statistics.median(first) if first else None,
         "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),
@@ -157,6 +163,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host-capacities", default="2GiB,48MiB,16MiB")
     ap.add_argument("--runs", default=None, help="comma list of servers (default: all)")
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--keep-dir", default=None,
+                    help="run here and keep servers' and client's logs (default: a temp dir)")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "kvtier-models"))
     return ap.parse_args(argv)
 
@@ -173,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in args.runs.split(",")]
     summary: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvt-lmcc-") as d:
+        work = Path(args.keep_dir) if args.keep_dir else Path(d)
+        work.mkdir(parents=True, exist_ok=True)
         for name in names:
-            summary[name] = run_server(name, args, model, Path(d))
+            summary[name] = run_server(name, args, model, work)
             print(name, json.dumps(summary[name]), flush=True)
     ideal = summary.get("ideal")
     if ideal:

@@ -163,3 +163,32 @@ def test_a_restore_over_the_staging_cap_streams_and_no_wait_outlasts_its_bound(
         assert export.drain().get(m.DROPS.name, {}).get("staging_cap", 0) == 1
     finally:
         sched.close()
+
+
+def test_a_save_that_never_finds_a_slot_is_still_reported_finished(
+        tmp_path: Path, export: m.StatsBatch) -> None:
+    """Every host slot is held by others when a request finishes: its save waits for one
+    (vLLM keeps its blocks), and gives up after the wait bound. Even though no copy of it
+    was ever issued, its id goes to the worker once in ``saves_more`` (the step that also
+    carries its finished id), so the worker reports it finished sending and vLLM frees
+    its blocks; a stream that ended silently would hold them forever."""
+    from kvtier.keys import ChunkKey
+
+    sched = small_pool_sched(tmp_path, GEOM, NS, 4 * BS, 4)
+    try:
+        held = [sched.store.reserve(ChunkKey(bytes([i]) * 32)) for i in range(4)]
+        assert all(s is not None for s in held)
+        out = [random.Random(3).randrange(3, 500) for _ in range(3 * CT + 9)]
+        delay, _ = sched.request_finished(request_record("a", out),
+                                          list(range(-(-len(out) // BS))))
+        assert delay and "a" in sched._save_streams
+        sched.clock.advance(60.0)  # type: ignore[attr-defined]
+        sched.on_worker_output(None, KVTierWorkerMetadata(step=0))  # it gives up
+        assert export.drain().get(m.DROPS.name, {}).get("host_full", 0) == 1
+        meta = sched.build_meta()
+        assert meta.saves == [] and meta.saves_more == ["a"]  # told once
+        sched.on_worker_output(None, KVTierWorkerMetadata(step=meta.step))
+        assert sched.build_meta().saves_more == []
+        assert not sched._save_streams and not sched.has_pending_saves()
+    finally:
+        sched.close()

@@ -405,6 +405,50 @@ def test_a_partly_failed_save_waits_for_the_copies_it_issued(tmp_path: Path) -> 
     assert meta is not None and meta.failed_saves == ["half"]
 
 
+def test_a_streamed_save_is_acknowledged_per_step_and_finished_after_its_last(
+        tmp_path: Path) -> None:
+    """A streamed save (``saves_more``): each step's copies are acknowledged in
+    ``saved_steps`` once done (the scheduler commits them then), and the request is
+    reported finished sending only after it left ``saves_more`` and its last copy is
+    done; a step whose copy failed is acknowledged in ``failed_save_steps``."""
+    gated = Gated(resolve_copy_backend("torch"))
+    w = make_worker(tmp_path, batches=gated)
+    step(w, KVTierMetadata(1, saves=[CopyOp("s", 0, [0, 1, 2, 3])], saves_acked=["s"],
+                           saves_more=["s"]))
+    assert w.get_finished({"s"}) == (None, None)
+    meta = w.worker_meta()
+    assert meta is not None and meta.saved_steps == []  # still copying
+    gated.open_all()
+    assert w.get_finished(set()) == (None, None)  # copied, but more follows
+    meta = w.worker_meta()
+    assert meta is not None and meta.saved_steps == [1]
+    step(w, KVTierMetadata(2, saves=[CopyOp("s", 999, [4, 5, 6, 7])], saves_acked=["s"],
+                           saves_more=["s"]))  # a bad slot: this step fails
+    step(w, KVTierMetadata(3, saves=[CopyOp("s", 1, [4, 5, 6, 7])], saves_acked=["s"]))
+    assert w.get_finished(set()) == (None, None)  # its last copy is still running
+    meta = w.worker_meta()
+    assert meta is not None and meta.failed_save_steps == [2] and meta.saved_steps == []
+    gated.open_all()
+    assert w.get_finished(set()) == ({"s"}, None)
+    meta = w.worker_meta()
+    assert meta is not None and meta.saved_steps == [3] and meta.failed_saves == ["s"]
+    assert w.get_finished(set()) == (None, None)
+    assert all(v == 0 for v in w.held().values())
+    w.close()
+
+
+def test_a_streamed_save_without_a_copy_is_still_finished(tmp_path: Path) -> None:
+    """Named in ``saves_more`` once (with its finished id), with no copy ever issued (it
+    found no host slot): reported finished once it leaves ``saves_more``."""
+    w = make_worker(tmp_path)
+    step(w, KVTierMetadata(1, saves_acked=["e"], saves_more=["e"]))
+    assert w.get_finished({"e"}) == (None, None)
+    step(w, KVTierMetadata(2, saves_acked=["e"]))
+    assert w.get_finished(set()) == ({"e"}, None)
+    assert all(v == 0 for v in w.held().values())
+    w.close()
+
+
 # -- (d) bounded state ------------------------------------------------------------------
 def test_state_stays_bounded_over_many_requests(tmp_path: Path) -> None:
     gated = Gated(resolve_copy_backend("torch"))

@@ -192,7 +192,11 @@ class _SaveStream:
     #: shorter tails the first piece supersedes (dropped once its step commits)
     supersedes: list[ChunkKey] = field(default_factory=list)
     failed: bool = False
+    #: the request was in a step's ``saves_more`` (the step that also carries its
+    #: finished id): only then does the worker know to report it finished sending,
+    #: whether or not any copy of it was issued
+    told: bool = False
 
     def done(self) -> bool:
-        """Nothing left to give a slot, copy or acknowledge."""
-        return not (self.pending or self.issued or self.by_step)
+        """Nothing left to give a slot, copy or acknowledge, and the worker was told."""
+        return self.told and not (self.pending or self.issued or self.by_step)

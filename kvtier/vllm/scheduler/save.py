@@ -191,11 +191,16 @@ class Saves(RequestKeys):
         """The streams' slots issued for ``step`` (the metadata being built) wait for its
         acknowledgement; returns (requests acknowledged per step, requests whose saves
         continue after this step). Memory only."""
-        for st in self._save_streams.values():
+        more = []
+        for rid, st in self._save_streams.items():
             if st.issued:
                 st.by_step[step], st.issued = st.issued, []
-        return (sorted(self._save_streams),
-                sorted(rid for rid, st in self._save_streams.items() if st.pending))
+            if st.pending or not st.told:
+                # a stream that lost its pending pieces before its first step is still
+                # named once: vLLM delays the free, so the worker must report it
+                more.append(rid)
+                st.told = True
+        return sorted(self._save_streams), sorted(more)
 
     def _end_save_stream(self, rid: str, failed: bool) -> None:
         """vLLM reported ``rid``'s save finished on every rank (``finished_sending``):
