@@ -185,10 +185,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched.on_pieces = self._events.note_pieces
                 # an idle engine is woken when an event is observed (else: watched)
                 self._events.wake = engine_waker()
+                log = logging.getLogger("kvtier.vllm.events")
                 if self._events.wake is None:
-                    logging.getLogger("kvtier.vllm.events").warning(
-                        "kvtier: KV events: no engine core to wake found; events observed "
-                        "while the engine is idle wait for its next step")
+                    log.warning("kvtier: KV events: no engine core to wake found; events "
+                                "observed while the engine is idle wait for its next step")
+                else:
+                    log.info("kvtier: KV events: an idle engine is woken to publish")
         else:
             groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(cfg, geometry, groups, path)

@@ -110,7 +110,7 @@ REMOTE = "REMOTE"
 
 #: Raw observations waiting for ``take`` at most; beyond, every claim is withdrawn.
 MAX_RAW = 1 << 20
-#: Default cap of chunks claimed held (``held``).
+#: Default cap of pieces claimed held (``held``).
 MAX_CHUNKS = 1_000_000
 #: Default number of chunks whose store payload (tokens, extra keys) is kept.
 MAX_PAYLOADS = 16_384
