@@ -188,11 +188,11 @@ class Finish(Saves):
                 record_drop("window_freed")
                 last = None
             else:
-                # part i's parent is part i - 1, part 0's the piece ending the prefix:
-                # ``last_key`` names the last part, and a lease renewal walks the window
-                if self.on_pieces is not None:
+                if self.on_pieces is not None:  # the KV events: the parts' blocks
                     self.on_pieces(request, [(k, 0, b, n) for k, (b, n)
                                              in zip(part_keys, parts, strict=True)])
+                # part i's parent is part i - 1, part 0's the piece ending the prefix:
+                # ``last_key`` names the last part, and a lease renewal walks the window
                 prevs = [last, *part_keys[:-1]]
                 pieces = [_SavePiece(k, self._tail_spec(ns, n).meta(k, prev),
                                  list(block_ids[b : b + n]), n if n < self.bpc else 0)
