@@ -231,9 +231,10 @@ class RetentionConfig(_Model):
 class EventsConfig(_Model):
     """KV events (``kvtier.vllm.events``; on with vLLM's ``--kv-events-config``)."""
 
-    #: Chunks claimed held (per medium) at most; beyond, the oldest claims are withdrawn
-    #: (BlockRemoved). Each costs about 250 bytes (16 blocks a chunk, vLLM's integer
-    #: hashes): 250 MB at 1M.
+    #: Pieces (chunks, tails, window parts) claimed held at most; beyond, the oldest
+    #: claims are withdrawn (BlockRemoved). A 16-block chunk costs about 250 bytes plus
+    #: 68-85 bytes a block per medium holding it (the per-block counts): at 1M chunks
+    #: held in CPU and STORAGE, about 2.4 GB.
     max_chunks: int = Field(1_000_000, ge=1)
     #: Chunks whose BlockStored payload (tokens, extra keys) is kept until they reach a
     #: tier: 4 bytes a token. A chunk written below after its payload went is published

@@ -59,7 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
-from kvtier.vllm.events import KVEvents, events_for, note_hybrid_end
+from kvtier.vllm.events import KVEvents
+from kvtier.vllm.eventsetup import engine_waker, events_for
 from kvtier.vllm.geometry import (
     PhysicalKV,
     check_kv_scales_config,
@@ -77,7 +78,8 @@ from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide, forward_runs_layer_by_layer
 
 #: After a request finishes, the engine keeps stepping this long at most while
-#: lower-tier writes are in flight (with KV events on), so their STORAGE events go out.
+#: lower-tier writes are in flight (with KV events on and no engine waker found:
+#: ``eventsetup.engine_waker``), so their STORAGE events go out.
 EVENT_WRITES_WATCH_S = 5.0
 
 if TYPE_CHECKING:
@@ -179,6 +181,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             kv_events = getattr(vllm_config, "kv_events_config", None)
             if kv_events is not None and kv_events.enable_kv_cache_events:
                 self._events = events_for(self._sched, kv_cache_config)
+                # a finishing request's tails, windows and hybrid pieces, as saved
+                self._sched.on_pieces = self._events.note_pieces
+                # an idle engine is woken when an event is observed (else: watched)
+                self._events.wake = engine_waker()
+                log = logging.getLogger("kvtier.vllm.events")
+                if self._events.wake is None:
+                    log.warning("kvtier: KV events: no engine core to wake found; events "
+                                "observed while the engine is idle wait for its next step")
+                else:
+                    log.info("kvtier: KV events: an idle engine is woken to publish")
         else:
             groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(cfg, geometry, groups, path)
@@ -217,7 +229,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._note(request)
         self._noted.pop(request.request_id, None)
-        self._writes_watched_until = time.monotonic() + EVENT_WRITES_WATCH_S
+        if self._events.wake is None:  # nothing wakes an idle engine: keep it stepping
+            self._writes_watched_until = time.monotonic() + EVENT_WRITES_WATCH_S
 
     def take_events(self) -> list[Any]:
         """vLLM's scheduler merges these into its KV event stream, once a step."""
@@ -255,8 +268,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
         self._finish_noting(request)
-        if self._events is not None:  # a hybrid model's tail and window pieces
-            note_hybrid_end(self._events, self.scheduler_side, request, block_ids)
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
@@ -265,11 +276,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """True while a flush started by a stop signal runs: vLLM's engine loop (and with
         it vLLM's signal handler) stays up until it is done or out of time. With KV
-        events on, also while events wait, and while lower-tier writes are in flight up to
-        ``EVENT_WRITES_WATCH_S`` after a request finished, so what it stored is published
-        without waiting for the next request (bounded: a hung tier cannot keep the engine
-        busy, nor hold up a pause). An idle engine does not step: what happens while it
-        is idle (an idle flush, a walk) goes out at the next request."""
+        events on, also while events wait; and, where no engine waker was found, while
+        lower-tier writes are in flight up to ``EVENT_WRITES_WATCH_S`` after a request
+        finished, so what it stored is published without waiting for the next request
+        (bounded: a hung tier cannot keep the engine busy, nor hold up a pause). An idle
+        engine blocks on its input queue and asks this only before it blocks: the
+        events' waker (``eventsetup.engine_waker``) wakes it when something is observed
+        meanwhile (a write finishing, an idle flush, a walk)."""
         if self._sched is None:
             return False
         if self._events is not None and (

@@ -33,8 +33,11 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.tiers.file import FileTier
 from kvtier.vllm import events as events_mod
-from kvtier.vllm.events import KVEvents, events_for, note_hybrid_end
+from kvtier.vllm import eventsetup
+from kvtier.vllm.events import KVEvents
+from kvtier.vllm.eventsetup import events_for
 from kvtier.vllm.geometry import Geometry, GroupShape
+from kvtier.vllm.heldblocks import HeldBlocks
 from kvtier.vllm.scheduler_side import SchedulerSide
 from tests.vllm.hooks import ask
 
@@ -149,7 +152,7 @@ def test_a_shared_object_is_published_by_its_writer_only(env: Any) -> None:
     # another node's write of the same object is EXISTS: not its store to publish; a
     # second node with its own events publishes nothing for it
     other = FileTier(store_dir, 1 << 30)
-    other_ev = KVEvents(events_mod.tier_media(["host", "file"]), block_size=BS,
+    other_ev = KVEvents(eventsetup.tier_media(["host", "file"]), block_size=BS,
                         blocks_per_chunk=BPC, chunk_tokens=CT)
     other.on_stored = events_mod.partial_observe(other_ev, 1, True)
     other.index.on_forget = events_mod.partial_observe(other_ev, 1, False)
@@ -195,7 +198,7 @@ def test_unknown_chunks_are_never_claimed(env: Any) -> None:
 
 
 def test_the_cap_withdraws_the_oldest_claims() -> None:
-    ev = KVEvents(events_mod.tier_media(["host"]), block_size=BS, blocks_per_chunk=BPC,
+    ev = KVEvents(eventsetup.tier_media(["host"]), block_size=BS, blocks_per_chunk=BPC,
                   chunk_tokens=CT, max_chunks=16)
     reqs = [request(f"c{i}", prompt(1, seed=100 + i)) for i in range(17)]
     for i, r in enumerate(reqs):
@@ -212,7 +215,7 @@ def test_the_cap_withdraws_the_oldest_claims() -> None:
 
 
 def test_an_overflowing_queue_withdraws_every_claim(monkeypatch: pytest.MonkeyPatch) -> None:
-    ev = KVEvents(events_mod.tier_media(["host"]), block_size=BS, blocks_per_chunk=BPC,
+    ev = KVEvents(eventsetup.tier_media(["host"]), block_size=BS, blocks_per_chunk=BPC,
                   chunk_tokens=CT)
     r = request("o", prompt(1, seed=7))
     key = ChunkKey(b"k" * 16)
@@ -230,7 +233,8 @@ def test_an_overflowing_queue_withdraws_every_claim(monkeypatch: pytest.MonkeyPa
 
 def test_a_held_chunk_costs_a_bounded_number_of_bytes() -> None:
     """16 blocks a chunk, vLLM's default 64-bit event hashes: what 20k claims cost, key
-    objects included (the held map keeps them alive)."""
+    objects included (the held map keeps them alive), and what their per-block counts
+    cost in one medium (``HeldBlocks``)."""
     bpc, n = 16, 20_000
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -239,13 +243,23 @@ def test_a_held_chunk_costs_a_bounded_number_of_bytes() -> None:
         key = ChunkKey(i.to_bytes(16, "big"))
         held[key] = bytes([3, 0, 1]) + i.to_bytes(8, "big") + bytes(8 * bpc)
     per_chunk = (tracemalloc.get_traced_memory()[0] - before) / n
+    counts = HeldBlocks()
+    before = tracemalloc.get_traced_memory()[0]
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        counts.add(0, 0, [int(h) for h in rng.integers(1 << 62, 1 << 63, bpc,
+                                                       dtype=np.int64) * 2])
+    per_block = (tracemalloc.get_traced_memory()[0] - before) / (n * bpc)
     tracemalloc.stop()
     key, rec = next(iter(held.items()))
     assert len(rec) == 3 + 8 + 8 * bpc
     assert per_chunk <= KVEvents.held_bytes(rec, key) + 16, per_chunk
     assert per_chunk < 300  # about 250 MB at 1M held chunks
+    assert per_block <= HeldBlocks.block_bytes(1 << 63) + 16, per_block
+    assert per_block < 100  # about 1.4 GB a medium at 1M held 16-block chunks
     print(f"held map: {per_chunk:.0f} B/chunk measured, "
-          f"{KVEvents.held_bytes(rec, key)} estimated")
+          f"{KVEvents.held_bytes(rec, key)} estimated; counts: {per_block:.0f} B/block "
+          f"measured, {HeldBlocks.block_bytes(1 << 63)} estimated")
 
 
 # -- hybrid models (several KV-cache groups) ----------------------------------------------
@@ -290,6 +304,7 @@ def henv(tmp_path: Path) -> Iterator[tuple[SchedulerSide, KVEvents, ManualClock]
                           store=build_store(cfg, HGEOM.chunk_bytes(CT), clock=clock),
                           clock=clock)
     ev = events_for(sched, hybrid_config())
+    sched.on_pieces = ev.note_pieces  # as the connector does
     yield sched, ev, clock
     sched.close()
 
@@ -309,7 +324,6 @@ def hybrid_save(sched: SchedulerSide, ev: KVEvents, req: Request) -> None:
     req.num_computed_tokens = req.num_tokens - 1
     tables = hybrid_tables(req)
     ev.note(req, sched.chunk_keys(req))
-    assert note_hybrid_end(ev, sched, req, tables) == 2  # the full group's tail, the window
     delay, _ = sched.request_finished_groups(req, tables)
     assert delay
     sched.build_meta()
@@ -429,9 +443,9 @@ def test_group_meta_is_what_vllm_sets_per_group() -> None:
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
     config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], cl),
                                               KVCacheGroupSpec(["b"], full)])
-    assert events_mod.group_meta(config) == [
+    assert eventsetup.group_meta(config) == [
         events_mod.GroupMeta("chunked_local_attention", None),
         events_mod.GroupMeta("full_attention", None)]
-    assert events_mod.group_meta(hybrid_config())[SW] == \
+    assert eventsetup.group_meta(hybrid_config())[SW] == \
         events_mod.GroupMeta("sliding_window", W)
-    assert events_mod.group_meta(None) == []
+    assert eventsetup.group_meta(None) == []

@@ -150,6 +150,10 @@ def test_cpu_then_storage_then_eviction_and_expiry_on_vllms_stream(
                for m in ("CPU", "STORAGE")}
         print(f"events after the answer: CPU {lag['CPU'] * 1e3:.0f} ms, "
               f"STORAGE {lag['STORAGE'] * 1e3:.0f} ms")
+        # the engine is idle once it answered: the write-through's STORAGE events leave
+        # because the write's completion wakes it (eventsetup.engine_waker)
+        assert lag["STORAGE"] < 5.0, lag
+        assert "an idle engine is woken to publish" in srv.log_path.read_text(errors="replace")
         gpu = gpu_blocks(ev)
         cpu = stored(ev, "CPU")[:2]
         bs = cpu[0].block_size

@@ -77,6 +77,8 @@ class Finish(Saves):
                 key, keys[n_chunks - 1] if n_chunks else None)
             lo = n_chunks * self.bpc
             tail = _SavePiece(key, meta, list(block_ids[lo : lo + tail_blocks]), tail_blocks)
+            if self.on_pieces is not None:
+                self.on_pieces(request, [(key, 0, lo, tail_blocks)])
         wanted = (n_chunks or tail) and _request_params(request).get("save") is not False
         saved, held = (self._save(rid, request, ns, keys, block_ids, tail) if wanted
                        else (0, 0))
@@ -130,6 +132,8 @@ class Finish(Saves):
             return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
         ns, keys = got
         pieces = self._hybrid_pieces(request, keys, end, 0)
+        if self.on_pieces is not None:
+            self.on_pieces(request, [(p.key, p.group, p.first, p.blocks) for p in pieces])
         local = local_groups(self.geom)
         windows = [p for p in pieces if p.group in local]
         if not saveable_groups(self.geom, block_ids, windows):
@@ -184,6 +188,9 @@ class Finish(Saves):
                 record_drop("window_freed")
                 last = None
             else:
+                if self.on_pieces is not None:  # the KV events: the parts' blocks
+                    self.on_pieces(request, [(k, 0, b, n) for k, (b, n)
+                                             in zip(part_keys, parts, strict=True)])
                 # part i's parent is part i - 1, part 0's the piece ending the prefix:
                 # ``last_key`` names the last part, and a lease renewal walks the window
                 prevs = [last, *part_keys[:-1]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.build import build_store
@@ -20,7 +21,7 @@ from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import KVTierConfig
 from kvtier.costmodel import CostModel, Decision
 from kvtier.flusher import IdleFlusher
-from kvtier.keys import Namespace
+from kvtier.keys import ChunkKey, Namespace
 from kvtier.store import Held, LoadProgress, TieredStore, WritePolicy
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import HostPool
@@ -77,6 +78,11 @@ class SchedulerState:
         self.slot_bytes = geometry.chunk_bytes(self.ct)
         #: store and restore partial tails (block granularity); a one-block chunk has none
         self.tails = cfg.partial_tails and self.bpc > 1
+        #: KV events (``kvtier.vllm.events``): told ``(key, group, first block, blocks)``
+        #: of the tails, window parts and hybrid pieces a finishing request is about to
+        #: save, so their stores and removals can be published; None without events
+        self.on_pieces: Callable[[Any, Sequence[tuple[ChunkKey, int, int, int]]], int] \
+            | None = None
         self.store = store or self._build_store(pool_path)
         self.policy = threshold_policy(cfg.restore, self.store, self.slot_bytes,
                                        probe=store is None)
