@@ -60,14 +60,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
 from kvtier.vllm.events import KVEvents, events_for, note_hybrid_end
-from kvtier.vllm.geometry import (
+from kvtier.vllm.geometry import geometry_from_kv_cache_config, namespace_for, tp_placement
+from kvtier.vllm.physical import (
     PhysicalKV,
     check_kv_scales_config,
     describe_layout,
-    geometry_from_kv_cache_config,
     kv_scales_digest,
-    namespace_for,
-    tp_placement,
 )
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide
