@@ -158,7 +158,7 @@ class FileTransport:
             fsutil.make_dir(name, self.dir_mode, dir_fd=parent)
             return fsutil.open_dir(name, dir_fd=parent)
 
-    def _remove_foreign(self, key: ChunkKey) -> None:
+    def _delete_foreign(self, key: ChunkKey) -> None:
         """Something not a regular file (symlink, FIFO, device) is named like an object:
         never kvtier's and never read. Count it and remove it (unless it is a directory
         or has become a regular file), so the key can be stored again."""
@@ -176,7 +176,7 @@ class FileTransport:
         except FileNotFoundError:
             return None
         if not fsutil.is_regular(st):
-            self._remove_foreign(key)
+            self._delete_foreign(key)
             return None
         return Stat(st.st_size, st.st_mtime, (st.st_ino, st.st_mtime_ns))
 
@@ -195,7 +195,7 @@ class FileTransport:
         except FileNotFoundError:
             raise Missing from None
         except fsutil.NotRegular:
-            self._remove_foreign(key)
+            self._delete_foreign(key)
             raise Missing from None
         try:
             st = os.fstat(fd)
@@ -218,24 +218,24 @@ class FileTransport:
             os.close(fd)
         return size
 
-    def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
+    def delete_if(self, key: ChunkKey, version: Version) -> Outcome | Exception:
         try:
-            return self._remove_if(key, version)
+            return self._delete_if(key, version)
         except OSError as e:
             return e
 
-    def _remove_if(self, key: ChunkKey, version: Version) -> Outcome:
+    def _delete_if(self, key: ChunkKey, version: Version) -> Outcome:
         """Unlink the object only while it is still ``version`` (inode, mtime in ns):
         rename it to a graveyard name in its directory, re-stat it there, then unlink it
         or link it back (see the module invariants). Raises ``OSError`` on faults; a fault
         after the rename puts the object back first where it can."""
         try:
             with self._leaf(key) as (d, name):
-                return self._remove_in(d, name, version)
+                return self._delete_in(d, name, version)
         except FileNotFoundError:
             return Outcome.GONE  # another node's collector was first
 
-    def _remove_in(self, d: int, name: str, version: Version) -> Outcome:
+    def _delete_in(self, d: int, name: str, version: Version) -> Outcome:
         grave = f".{name}.{self.tag}.{secrets.token_hex(4)}{_GRAVE_SUFFIX}"
         os.rename(name, grave, src_dir_fd=d, dst_dir_fd=d)
         try:
@@ -299,14 +299,14 @@ class FileTransport:
             return None
         return Stat(st.st_size, now, (st.st_ino, int(now * 1e9)))
 
-    def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
+    def delete(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         outcomes: dict[ChunkKey, Outcome] = {}
         fault: Exception | None = None
         for key, st in victims:
             try:
                 if st is not None:
-                    outcomes[key] = self._remove_if(key, st.version)
+                    outcomes[key] = self._delete_if(key, st.version)
                     continue
                 with self._leaf(key) as (d, name):
                     os.unlink(name, dir_fd=d)

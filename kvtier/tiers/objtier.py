@@ -290,7 +290,7 @@ class ObjectTier:
     def _quarantine(self, key: ChunkKey, version: Version, why: str) -> None:
         """Remove a corrupt object, unless someone replaced it since it was read."""
         self.metrics.corrupt()
-        outcome = self.transport.discard(key, version)
+        outcome = self.transport.delete_if(key, version)
         if isinstance(outcome, Exception):
             self._fault("delete", outcome)
         done = "removed" if outcome is Outcome.DELETED else "not removed"
@@ -332,7 +332,7 @@ class ObjectTier:
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
         known = [k for k in dict.fromkeys(keys) if self._known(k)]
-        outcomes, fault = self.transport.remove([(k, None) for k in known])
+        outcomes, fault = self.transport.delete([(k, None) for k in known])
         if fault is not None:
             self._fault("delete", fault)
         n = 0

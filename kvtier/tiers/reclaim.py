@@ -5,14 +5,14 @@
 then ask the store for each victim's stamp (``heads``), keep those another node used at
 or after the decision's bound, keep those this node recorded anything for since the
 snapshot (versions), and delete the rest only while each is still the version its
-stat saw (``Transport.remove``); only the entry they picked leaves the index. On a file
+stat saw (``Transport.delete``); only the entry they picked leaves the index. On a file
 tier that condition covers a renewal (the mtime is the version): one between the stat
 and the delete survives. On S3 a renewal keeps the ETag, so one in that window is lost
 with its object (the HEAD fallback alone compares the stamp): a recompute, never wrong
 KV.
 
 Threads: a ``Reclaimer`` is called under its tier's collection lock only (one collection
-at a time), so it keeps no lock of its own; it does I/O (``heads``, ``remove``) and never
+at a time), so it keeps no lock of its own; it does I/O (``heads``, ``delete``) and never
 under the index lock.
 """
 
@@ -63,7 +63,7 @@ class Reclaimer:
             heads = self._heads(picked, "collect")
             if heads is None:
                 break
-            freed += self._remove(self._doom(picked, heads, None), evicting=True)[1]
+            freed += self._delete(self._doom(picked, heads, None), evicting=True)[1]
         self._metrics.used(self._used())
         return freed
 
@@ -95,13 +95,13 @@ class Reclaimer:
                 doomed.append((key, st, seen))
         return doomed
 
-    def _remove(self, doomed: list[_Doomed], *, evicting: bool) -> tuple[int, int]:
+    def _delete(self, doomed: list[_Doomed], *, evicting: bool) -> tuple[int, int]:
         """Delete ``doomed``, each only while it is still the version its stat saw. A
         deleted key leaves the index only if its entry is still the one picked. Returns
         ``(objects, bytes)`` deleted."""
         if not doomed:
             return 0, 0
-        outcomes, fault = self._transport.remove([(k, st) for k, st, _ in doomed])
+        outcomes, fault = self._transport.delete([(k, st) for k, st, _ in doomed])
         if fault is not None:
             self._fault("collect" if evicting else "delete", fault)
         n = freed = 0
@@ -130,4 +130,4 @@ class Reclaimer:
         heads = self._heads(picked, "expire")
         if heads is None:
             return 0
-        return self._remove(self._doom(picked, heads, cutoff), evicting=True)[0]
+        return self._delete(self._doom(picked, heads, cutoff), evicting=True)[0]

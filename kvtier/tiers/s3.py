@@ -155,7 +155,7 @@ class S3Transport:
         self.io.write(self.object_name(key), header, body, {USED: repr(now)}, create=create)
         return now
 
-    def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
+    def delete_if(self, key: ChunkKey, version: Version) -> Outcome | Exception:
         return self._deleter.delete_one(Victim(self.object_name(key), str(version)))
 
     def copy_stamp(self, name: str, now: float, etag: str = "") -> bool:
@@ -182,7 +182,7 @@ class S3Transport:
         head = self.io.head(name)
         return None if head is None else Stat(head.size, now, head.etag)
 
-    def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
+    def delete(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         by_name = {self.object_name(k): k for k, _ in victims}
         removal = self._deleter.delete([
