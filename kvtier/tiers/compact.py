@@ -283,7 +283,7 @@ class CompactIndex(KeyTable):
             self._append(e)
             return True
 
-    def use(self, key: ChunkKey, last_used: float) -> None:
+    def touch(self, key: ChunkKey, last_used: float) -> None:
         """This node used ``key`` (without writing the shared stamp): most recent now."""
         k0, k1 = split(key)
         with self._lock:

@@ -281,7 +281,7 @@ class ObjectTier:
         now = self._clock.wall()
         entry = self.index.get(key)
         if entry is not None and now - entry.touched < self._touch_interval:
-            self.index.use(key, now)  # this node's view; the shared one waits for the next
+            self.index.touch(key, now)  # this node's view; the shared one waits for the next
             return
         self.index.remember(key, size, now, now)
         if not self._after_hit(key, now, version):  # dropped: not done, so not recorded
