@@ -104,7 +104,7 @@ class Saves(RequestKeys):
                     record_drop("host_full")
                     break
                 if c == stored and supersede:  # another request's copy is (being) stored
-                    self.store.discard(self._superseded(request, keys, c,
+                    self.store.delete(self._superseded(request, keys, c,
                                                         piece.span or self.bpc))
                 # stored meanwhile, or being saved by another request: held. Announced
                 # if published, or (P/D) if two saves of it are in flight already (one
