@@ -13,8 +13,8 @@ Invariants:
   a directory that cannot be written fails the start with a message naming the setting.
 * Temp files count against capacity while they exist; one not written to for
   ``temp_grace`` seconds (its mtime, so any node's) is removed by the start scan and the
-  collector (``_sweep_temps``); ``remove_stale_temps`` is the tools' whole-pass sweep.
-* A hit writes the shared stamp (the file's mtime) inline (``FileTransport.touch``).
+  collector (``_sweep_temps``); ``delete_stale_temps`` is the tools' whole-pass sweep.
+* A hit writes the shared stamp (the file's mtime) inline (``FileTransport.stamp_quietly``).
 * Any thread may call any method; the data-path methods never raise on I/O faults.
 """
 
@@ -77,7 +77,7 @@ class FileTier(ObjectTier):
         self.files = transport
         self.root = transport.root
         self._temp_grace = temp_grace
-        self.removed_temps = 0  # stale temp files this instance removed (start scan included)
+        self.deleted_temps = 0  # stale temp files this instance deleted (start scan included)
         self._check_writable(setting)
         try:
             self._open(background_index)
@@ -123,7 +123,7 @@ class FileTier(ObjectTier):
             self._sweep_temps(self._temp_grace, recheck=self._used() > self.capacity)
 
     def _after_hit(self, key: ChunkKey, now: float, version: Version) -> bool:
-        self.files.touch(key, now)
+        self.files.stamp_quietly(key, now)
         return True
 
     # -- temp files ----------------------------------------------------------------------
@@ -151,11 +151,11 @@ class FileTier(ObjectTier):
             temps.forget(path)
         if removed:
             log.info("%s: removed %d stale temp files", self._name, removed)
-            self.removed_temps += removed
+            self.deleted_temps += removed
         self._report_used()
         return removed
 
-    def remove_stale_temps(self, older_than: float | None = None) -> int:
+    def delete_stale_temps(self, older_than: float | None = None) -> int:
         """Walk a whole pass and delete temp files not written to for ``older_than``
         seconds (default the grace period): their writers died, on this node or another."""
         self.rescan()

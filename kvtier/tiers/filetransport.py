@@ -283,7 +283,8 @@ class FileTransport:
                     os.unlink(tmp, dir_fd=d)
         return now
 
-    def touch(self, key: ChunkKey, now: float) -> None:
+    def stamp_quietly(self, key: ChunkKey, now: float) -> None:
+        """``stamp`` after a hit, without its stat: a fault or a missing file is ignored."""
         with contextlib.suppress(OSError), self._leaf(key) as (d, name):
             # deleted meanwhile: the next lookup notices
             os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
