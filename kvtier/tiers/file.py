@@ -72,8 +72,8 @@ class FileTier(ObjectTier):
                                   metrics=metrics)
         super().__init__(transport, capacity_bytes, name=name, clock=clock,
                          touch_interval=touch_interval, low_watermark=low_watermark,
-                         tick=tick, scan_rate=scan_rate, index_threads=index_threads)
-        self.metrics = metrics
+                         tick=tick, scan_rate=scan_rate, index_threads=index_threads,
+                         metrics=metrics)
         self.files = transport
         self.root = transport.root
         self._temp_grace = temp_grace

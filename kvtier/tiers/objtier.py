@@ -94,9 +94,11 @@ class ObjectTier:
         touch_interval: float, low_watermark: float,
         tick: TickBudget = DEFAULT_TICK,
         walk_interval: float = 30.0, scan_rate: float = 0.0, index_threads: int = 1,
+        metrics: TierMetrics | None = None,
     ) -> None:
         """Subclasses call ``_open`` once their transport is ready. ``index_threads``:
-        workers of the start scan (``kvtier.tiers.scan``)."""
+        workers of the start scan (``kvtier.tiers.scan``). ``metrics``: the tier's
+        counters, when its transport counts into them too (else new ones)."""
         if scan_rate < 0:
             raise ValueError(f"scan_rate: must be >= 0 objects/s (0: no limit), got {scan_rate}")
         if index_threads < 1:
@@ -109,7 +111,7 @@ class ObjectTier:
         self._low_watermark = low_watermark
         self._tick = tick
         self._walk_interval = walk_interval
-        self.metrics = TierMetrics(name)
+        self.metrics = metrics if metrics is not None else TierMetrics(name)
         self.index = CompactIndex()
         self._collecting = threading.Lock()  # one collection at a time; held across I/O
         #: The walk (used under ``_collecting`` only).
