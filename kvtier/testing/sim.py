@@ -289,6 +289,7 @@ class SimWorld:
 
         side = self.connector.scheduler_side
         futs: list[cf.Future[Any]] = [p.future for p in side._probes.values()]
+        futs += [p.future for p in side._tail_probes.values()]
         futs += [lk.future for lk in side._lookups.values() if lk.future is not None]
         futs += [st.future for st in side._streams.values() if st.future is not None]
         pending = [f for f in futs if not f.done()]
