@@ -44,6 +44,8 @@ from kvtier.tiers.keytable import key_int as key_int
 
 
 class CompactIndex(KeyTable):
+    """What a persistent tier knows of its objects (see the module invariants)."""
+
     def __init__(self, initial: int = 1024) -> None:
         super().__init__(initial)
         self._head = self._tail = _NIL
@@ -53,6 +55,7 @@ class CompactIndex(KeyTable):
         #: the KV event stream (``kvtier.vllm.events``). Must only enqueue, never block.
         self.on_forget: Callable[[ChunkKey], None] | None = None
 
+    # -- the recency list (lock held) ---------------------------------------------------
     def _unlink(self, e: int) -> None:
         self._links += 1
         p, n = int(self._prev[e]), int(self._next[e])
@@ -76,10 +79,12 @@ class CompactIndex(KeyTable):
             self._next[self._tail] = e
         self._tail = e
 
-    def _remove(self, cell: int, e: int) -> Entry:
+    def _forget_at(self, cell: int, e: int) -> Entry:
+        """Drop entry ``e`` (at table ``cell``): out of the list, its slot freed."""
         self._unlink(e)
         return self._free_entry(cell, e)
 
+    # -- queries ------------------------------------------------------------------------
     def coldest(self, n: int, nbytes: int | None = None) -> list[tuple[ChunkKey, Entry]]:
         """Linked entries from the cold end: up to ``n``, and (given ``nbytes``) only as
         many as it takes to reach ``nbytes`` bytes."""
@@ -135,6 +140,7 @@ class CompactIndex(KeyTable):
                 e = int(self._next[e])
             return out, (self._links, e)
 
+    # -- changes ------------------------------------------------------------------------
     def remember(
         self, key: ChunkKey, size: int, last_used: float, touched: float | None = None
     ) -> None:
@@ -254,7 +260,7 @@ class CompactIndex(KeyTable):
             cell, e = self._find(k0, k1)
             if e < 0:
                 return None
-            entry = self._remove(cell, e)
+            entry = self._forget_at(cell, e)
         if self.on_forget is not None:
             self.on_forget(key)
         return entry
@@ -266,7 +272,7 @@ class CompactIndex(KeyTable):
             cell, e = self._find(k0, k1)
             if e < 0 or int(self._version[e]) != seen.version:
                 return False
-            self._remove(cell, e)
+            self._forget_at(cell, e)
         if self.on_forget is not None:
             self.on_forget(key)
         return True

@@ -100,6 +100,7 @@ class KeyTable:
         self._touch_base: float | None = None
         self.bytes = 0
 
+    # -- internals (lock held) ----------------------------------------------------------
     def _find(self, k0: int, k1: int) -> tuple[int, int]:
         """``(cell, entry)``: the key's cell and entry id, or where to insert it and -1."""
         table, mask = self._table, (1 << self._bits) - 1
@@ -203,6 +204,7 @@ class KeyTable:
         self._free = e
         return entry
 
+    # -- queries ------------------------------------------------------------------------
     def get(self, key: ChunkKey) -> Entry | None:
         k0, k1 = split(key)
         with self._lock:
