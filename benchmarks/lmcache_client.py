@@ -33,6 +33,8 @@ Example::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import csv
 import json
 import statistics
@@ -51,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.machine import describe
 from benchmarks.multiround_qa import DROP_REASONS, metric, stage_means
 from kvtier.testing.models import preset_model
-from kvtier.testing.servers import APIServer
+from kvtier.testing.servers import APIServer, split_cpus
 from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -88,20 +90,32 @@ def run_client(args: argparse.Namespace, url: str, out_csv: Path,
         return list(csv.DictReader(f))
 
 
-def run_server(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
+def make_server(name: str, args: argparse.Namespace, model: Path, tmp: Path,
+                cpus: str | None = None) -> APIServer:
+    """``ideal`` or ``host=<size>``'s server (not started)."""
     kvt = None
     blocks = args.ideal_blocks
     if name != "ideal":
         host = name.split("=", 1)[1]
         kvt = kv_transfer_config(local_config(tmp / f"{host}.yaml", tmp / f"store-{host}", host))
         blocks = args.small_blocks
-    server = APIServer(tmp / name.replace("=", "-"), model=model, name=name.replace("=", "-"),
-                       dtype=args.dtype, max_model_len=args.max_model_len,
-                       kv_transfer_config=kvt, num_gpu_blocks_override=blocks)
-    with server:
-        rows = run_client(args, server.url, tmp / f"{name}.csv", tmp / f"{name}.client.log")
-        time.sleep(1.0)
-        text = httpx.get(server.url + "/metrics", timeout=30).text
+    return APIServer(tmp / name.replace("=", "-"), model=model, name=name.replace("=", "-"),
+                     dtype=args.dtype, max_model_len=args.max_model_len,
+                     kv_transfer_config=kvt, num_gpu_blocks_override=blocks, cpus=cpus)
+
+
+def run_server(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
+    with make_server(name, args, model, tmp) as server:
+        return measure(name, args, server, tmp)
+
+
+def measure(name: str, args: argparse.Namespace, server: APIServer,
+            tmp: Path) -> dict[str, Any]:
+    """Run the client against a started ``server``; its summary."""
+    blocks = args.ideal_blocks if name == "ideal" else args.small_blocks
+    rows = run_client(args, server.url, tmp / f"{name}.csv", tmp / f"{name}.client.log")
+    time.sleep(1.0)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
     back = [float(r["ttft"]) for r in rows if int(r["question_id"]) >= 2]
     if not back:
         raise RuntimeError(f"{name}: no returning round finished in {args.time} s; "
@@ -126,6 +140,25 @@ def run_server(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> d
         "drops": {r: metric(text, "kvtier_drops_total", reason=r) for r in DROP_REASONS},
         "restore_stage_ms": stage_means(text),
     }
+
+
+def run_parallel(names: list[str], args: argparse.Namespace, model: Path,
+                 tmp: Path) -> dict[str, dict[str, Any]]:
+    """Every server at once, each bound to its own cores (``split_cpus``), and one client
+    per server at once: on a shared machine, whatever else loads it loads every server
+    alike, so the ratios compare."""
+    servers = [make_server(n, args, model, tmp, cpus)
+               for n, cpus in zip(names, split_cpus(len(names)), strict=True)]
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            futs = {n: pool.submit(measure, n, args, s, tmp)
+                    for n, s in zip(names, servers, strict=True)}
+            out = {n: f.result() for n, f in futs.items()}
+    for n, s in out.items():
+        print(n, json.dumps(s), flush=True)
+    return out
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
@@ -162,6 +195,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--host-capacities", default="2GiB,48MiB,16MiB")
     ap.add_argument("--runs", default=None, help="comma list of servers (default: all)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the servers at once, each on its own cores (a shared machine)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--keep-dir", default=None,
                     help="run here and keep servers' and client's logs (default: a temp dir)")
@@ -183,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvt-lmcc-") as d:
         work = Path(args.keep_dir) if args.keep_dir else Path(d)
         work.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            summary[name] = run_server(name, args, model, work)
-            print(name, json.dumps(summary[name]), flush=True)
+        if args.parallel:
+            summary = run_parallel(names, args, model, work)
+        else:
+            for name in names:
+                summary[name] = run_server(name, args, model, work)
+                print(name, json.dumps(summary[name]), flush=True)
     ideal = summary.get("ideal")
     if ideal:
         for s in summary.values():

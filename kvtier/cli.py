@@ -136,7 +136,7 @@ def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
                 else tier.expire(lease)
         freed = tier.collect()
         # Opening the tier scanned it and removed temp files past file.temp_grace_seconds.
-        temps = tier.removed_temps if isinstance(tier, FileTier) else 0
+        temps = tier.deleted_temps if isinstance(tier, FileTier) else 0
         u = tier.usage()
         print(f"{tier.name}: freed {format_size(freed)}, removed {temps} stale temp files"
               + (f" and {expired} objects past their {lease:.0f} s lease" if args.expired else "")

@@ -21,7 +21,7 @@ class EvictionPolicy(Protocol):
 
     def touch(self, key: ChunkKey) -> None: ...
 
-    def remove(self, key: ChunkKey) -> None: ...
+    def forget(self, key: ChunkKey) -> None: ...
 
     def evict(self, n: int, can_evict: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None: ...
 
@@ -50,7 +50,7 @@ class LRUPolicy:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: ChunkKey) -> None:
+    def forget(self, key: ChunkKey) -> None:
         self._order.pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[ChunkKey], bool]) -> list[ChunkKey] | None:

@@ -71,7 +71,7 @@ def test_kill_9_mid_write_leaves_no_partial_object(store_dirs: tuple[Path, Path]
         assert info.size == HEADER_SPAN + CHUNK
         assert tier.get_into(info.key, buf.data) is not None
     assert tier.metrics.counts.corruptions == 0
-    assert tier.remove_stale_temps(older_than=-1) >= 0
+    assert tier.delete_stale_temps(older_than=-1) >= 0
     assert not list(read_from.rglob("*.tmp"))
 
 

@@ -1,6 +1,7 @@
 """The router's aiohttp application: the per-turn path, P/D hand-off, streaming pass-through.
 
 The HTTP contract is in ``protocol``, backend choice and status mapping in ``backends``,
+the backend calls (failover, timeouts, JSON, ``/tokenize``) in ``upstream``,
 authentication and the concurrency limit in ``guard``, tenants in ``tenants``, the path
 decision in ``selective``, lease renewal and the heartbeat in ``leases``, ``/health`` in
 ``health``, the per-request record and Prometheus metrics in ``metrics``; this module
@@ -79,7 +80,6 @@ from kvtier.router.protocol import (
     ProxyRequest,
     RouterError,
     decode_body,
-    encode_json,
     kvtier_params,
     param_number,
     parse_renew,
@@ -89,6 +89,7 @@ from kvtier.router.protocol import (
     read_body,
 )
 from kvtier.router.tenants import TenantRegistry, salt_of
+from kvtier.router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Router:
             {role: pool.urls for role, pool in self.pools.items()}, lambda: self.session,
             clock, timeout=s.health_timeout, max_age=s.health_interval)
         self._session: aiohttp.ClientSession | None = None
+        self.upstream = Upstream(s, self.pools, lambda: self.session)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -164,103 +166,7 @@ class Router:
         if installed:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
-    # -- one backend call --------------------------------------------------------------
-
-    def _timeout(self, stream: bool) -> aiohttp.ClientTimeout:
-        s = self.settings
-        if stream:
-            return aiohttp.ClientTimeout(sock_connect=s.connect_timeout,
-                                         sock_read=s.request_timeout)
-        return aiohttp.ClientTimeout(total=s.request_timeout, sock_connect=s.connect_timeout)
-
-    async def _open(self, role: Role, req: ProxyRequest, body: bytes,
-                    stream: bool) -> tuple[str, aiohttp.ClientResponse]:
-        """POST the encoded ``body`` to the first server of ``role`` that accepts a
-        connection."""
-        pool, refused = self.pools[role], []
-        headers = {"Content-Type": "application/json"}
-        if req.authorization is not None:
-            headers[AUTHORIZATION] = req.authorization
-        for url in pool.candidates(req.conversation_id):
-            try:
-                resp = await self.session.post(url + PATHS[req.endpoint], data=body,
-                                               headers=headers, timeout=self._timeout(stream))
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-                pool.mark_down(url)
-                refused.append(f"{url}: {e}")
-                continue
-            except TimeoutError:
-                raise self._timed_out(role, url) from None
-            except aiohttp.ClientError as e:
-                raise RouterError(502, f"{role} backend {url} failed: {e!r}",
-                                  "backend_error") from None
-            return url, resp
-        raise RouterError(502, f"cannot connect to a {role} backend: {'; '.join(refused)}",
-                          "backend_error")
-
-    def _timed_out(self, role: Role, url: str) -> RouterError:
-        """Mark ``url`` down (a server too slow to answer is skipped like one that refuses);
-        returns the 504 to raise."""
-        self.pools[role].mark_down(url)
-        return RouterError(504, f"{role} backend {url} did not answer within "
-                           f"{self.settings.request_timeout:g}s", "timeout")
-
-    async def _call_json(self, role: Role, req: ProxyRequest,
-                         body: bytes) -> tuple[bytes, str, object]:
-        """A non-streamed call: (raw body, content type, parsed JSON)."""
-        url, resp = await self._open(role, req, body, stream=False)
-        async with resp:
-            try:
-                data = await resp.read()
-            except TimeoutError:
-                raise self._timed_out(role, url) from None
-            except aiohttp.ClientError as e:
-                raise RouterError(502, f"{role} backend {url} broke off: {e!r}",
-                                  "backend_error") from None
-            check_status(role, url, resp.status, data, resp.content_type)
-        try:
-            return data, resp.content_type, json.loads(data)
-        except ValueError:
-            raise RouterError(502, f"{role} backend {url} answered non-JSON: {data[:200]!r}",
-                              "backend_error") from None
-
     # -- the held prefix -----------------------------------------------------------------
-
-    async def _token_ids(self, req: ProxyRequest, turn: Turn) -> tuple[int, ...] | Unkeyed:
-        """The prompt's ids: the client's, else from vLLM's ``/tokenize`` on one backend
-        (the first usable prefill server, else decode), within ``tokenize_timeout``."""
-        if req.prompt_ids is not None:
-            return req.prompt_ids
-        if req.tokenize is None:
-            return req.unkeyed or "unsupported_prompt"
-        headers = {"Content-Type": "application/json"}
-        if req.authorization is not None:
-            headers[AUTHORIZATION] = req.authorization
-        try:
-            urls = self.pools["prefill"].candidates(None)
-        except RouterError:
-            try:
-                urls = self.pools["decode"].candidates(None)
-            except RouterError:
-                return "tokenizer"
-        timeout = aiohttp.ClientTimeout(total=self.settings.tokenize_timeout)
-        t0 = time.perf_counter()
-        try:
-            async with self.session.post(urls[0] + "/tokenize",
-                                         data=encode_json(req.tokenize),
-                                         headers=headers, timeout=timeout) as resp:
-                if resp.status != 200:
-                    return "tokenizer"
-                doc = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return "tokenizer"
-        finally:
-            turn.tokenize_s = time.perf_counter() - t0
-        ids = doc.get("tokens") if isinstance(doc, dict) else None
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids):
-            return "tokenizer"
-        return tuple(ids)
 
     async def _held(self, req: ProxyRequest,
                     turn: Turn) -> tuple[tuple[int, ...] | None, Held | Unkeyed | None]:
@@ -269,7 +175,7 @@ class Router:
         if self.settings.pd_mode != "auto":
             return None, None
         t0 = time.perf_counter()
-        ids = await self._token_ids(req, turn)
+        ids = await self.upstream.token_ids(req, turn)
         if isinstance(ids, str):
             held: Held | Unkeyed = ids
         else:
@@ -285,7 +191,7 @@ class Router:
         t0 = time.perf_counter()
         body = prefill_body(req, reuse=self.settings.dp_reuse)
         with self.planner.queue(turn):
-            _, _, doc = await self._call_json("prefill", req, body)
+            _, _, doc = await self.upstream.call_json("prefill", req, body)
         turn.prefill_s = time.perf_counter() - t0
         handoff = kvtier_params(doc)
         turn.prefill_tokens = int(param_number(handoff, "tokens")) or None
@@ -313,7 +219,7 @@ class Router:
         body = decode_body(req, handoff)
         if req.stream:
             return await self._decode_stream(request, req, key, body, handoff, headers, turn)
-        data, content_type, doc = await self._call_json("decode", req, body)
+        data, content_type, doc = await self.upstream.call_json("decode", req, body)
         turn.ttft_s = time.perf_counter() - turn.started  # the whole answer (not streamed)
         self.planner.dequeue(turn)
         self.planner.remember(key, req, turn, handoff, doc)
@@ -325,7 +231,7 @@ class Router:
     async def _decode_stream(self, request: web.Request, req: ProxyRequest, key: str | None,
                              body: bytes, handoff: dict[str, Any] | None,
                              headers: dict[str, str], turn: Turn) -> web.StreamResponse:
-        url, resp = await self._open("decode", req, body, stream=True)
+        url, resp = await self.upstream.open("decode", req, body, stream=True)
         async with resp:
             if resp.status != 200:
                 check_status("decode", url, resp.status, await resp.read(), resp.content_type)

@@ -36,7 +36,7 @@ class StoreState:
 
     Threads. *vLLM's scheduler thread* calls the memory-only API (``lookup_indexed``,
     ``can_probe``/``probe``, ``reserve``/``holds``/``saving``/``commit``/``abort``/
-    ``discard``, ``put``, ``load``, ``rewrite_through``, ``drop_host``/``empty_host``, the
+    ``delete``, ``put``, ``load``, ``rewrite_through``, ``drop_host``/``empty_host``, the
     health questions below): none of them does I/O there, they only queue jobs. *IO pool
     threads* (``io`` and each lower tier's pool in ``tier_io``) run those jobs: a load's
     promotions, every write to a lower tier, collections. *Probe threads*

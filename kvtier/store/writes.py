@@ -70,7 +70,7 @@ class Writes(WriteBack):
         2: a save and its backup, the most there are). Memory only."""
         return self.host.index.writers(key)
 
-    def discard(self, keys: Sequence[ChunkKey]) -> int:
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Drop ``keys`` from the host tier where present and unheld, dirty or not, never
         writing them below: chunks a longer save supersedes (a partial tail whose bytes
         a whole chunk or a longer tail repeats). Returns how many were dropped. Memory

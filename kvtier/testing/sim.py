@@ -12,6 +12,8 @@ token ends (``expected_rows``). So after every step the world can check that **e
 block vLLM treats as computed holds exactly the bytes of its own prefix**, however it got
 there: computed, from vLLM's prefix cache, or restored by kvtier (``check_blocks``).
 
+The simulated model (its shapes, vLLM configs and KV bytes) is ``kvtier.testing.simmodel``.
+
 Everything runs on the calling thread except kvtier's own IO threads; time is a
 ``ManualClock`` the caller advances. Which thread may call what: a ``SimWorld`` is used
 from one thread.
@@ -19,11 +21,9 @@ from one thread.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,80 +31,32 @@ from typing import Any
 import numpy as np
 import torch
 
-#: Layers per KV-cache group, heads per rank and head size of the simulated model: tiny,
-#: so that a step costs microseconds of copying.
-HEAD_SIZE = 8
-HEADS = 2
-LAYERS_PER_GROUP = 2
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+from kvtier.testing.simmodel import (
+    HEAD_SIZE,
+    HEADS,
+    LAYERS_PER_GROUP,
+    SHAPES,
+    Shape,
+    SimRequest,
+    expected_rows,
+    kv_cache_config_for,
+    mla_backend,
+    token_hashes,
+    vllm_config_for,
+)
 
-
-@dataclass(frozen=True)
-class Shape:
-    """The model's KV-cache groups, in vLLM's order: ``"full"``, ``"window:W"`` (sliding
-    window of W tokens), ``"chunked:A"`` (chunked-local attention of A tokens) or
-    ``"mla"`` (one latent per token, the same on every TP rank)."""
-
-    groups: tuple[str, ...] = ("full",)
-
-    @property
-    def name(self) -> str:
-        return "+".join(self.groups)
-
-
-SHAPES = {
-    "full": Shape(("full",)),
-    "window": Shape(("window:48",)),
-    "hybrid": Shape(("window:48", "full")),
-    "chunked": Shape(("chunked:64", "full")),
-    "mla": Shape(("mla",)),
-}
-
-
-def token_hashes(tokens: Sequence[int], salt: bytes = b"",
-                 after: int | None = None) -> np.ndarray:
-    """``h[p]``: a 64-bit hash of ``salt`` and ``tokens[: p + 1]`` (what token ``p``'s KV
-    depends on), for every position; ``after``: the hash of the positions before
-    ``tokens`` (the chain goes on from it)."""
-    h = (int.from_bytes(hashlib.blake2b(salt, digest_size=8).digest(), "little")
-         if after is None else after)
-    out = np.empty(len(tokens), dtype=np.uint64)
-    mask = (1 << 64) - 1
-    for p, t in enumerate(tokens):
-        h = ((h ^ (int(t) + 0x100)) * 0x100000001B3 + (h >> 29)) & mask
-        out[p] = h
-    return out
-
-
-def expected_rows(hashes: np.ndarray, layer: int, width: int) -> np.ndarray:
-    """The KV row of each position for flat layer ``layer``: ``width`` float32 values,
-    each an exact small integer derived from the position's prefix hash."""
-    j = np.arange(1, width + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        mixed = hashes[:, None] * (j[None, :] * _MIX) + np.uint64(layer * 7919 + 1)
-    out: np.ndarray = ((mixed >> np.uint64(40)) & np.uint64(0xFFFF)).astype(np.float32)
-    return out
-
-
-@dataclass
-class SimRequest:
-    """What the world knows of a request it added: its prefix salt (``cache_salt`` and
-    LoRA change KV bytes, so they change the expected bytes too) and its token hashes."""
-
-    rid: str
-    salt: bytes
-    hashes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
-
-    def hashes_for(self, tokens: Sequence[int]) -> np.ndarray:
-        """The hashes of at least ``tokens`` (the request's, which only grow), extended
-        by the new positions only."""
-        have = len(self.hashes)
-        if have < len(tokens):
-            more = token_hashes(tokens[have:], self.salt,
-                                int(self.hashes[-1]) if have else None)
-            self.hashes = np.concatenate([self.hashes, more])
-        return self.hashes
-
+__all__ = [
+    "HEADS",
+    "HEAD_SIZE",
+    "LAYERS_PER_GROUP",
+    "SHAPES",
+    "Shape",
+    "SimRequest",
+    "SimWorld",
+    "Violation",
+    "expected_rows",
+    "token_hashes",
+]
 
 class Violation(AssertionError):
     """An invariant the simulation checks was broken; the message says which and where."""
@@ -131,12 +83,12 @@ class SimWorld:
         cfg_path = root / "kvtier.json"
         cfg_path.write_text(json.dumps(kvtier_doc))
         self.engine_id = f"sim-{os.getpid()}-{id(self):x}"
-        self.vllm_config = _vllm_config(root, cfg_path, shape, tp=tp, num_blocks=num_blocks,
+        self.vllm_config = vllm_config_for(root, cfg_path, shape, tp=tp, num_blocks=num_blocks,
                                         block_size=block_size, max_num_seqs=max_num_seqs,
                                         max_batched_tokens=max_batched_tokens,
                                         max_model_len=max_model_len,
                                         engine_id=self.engine_id)
-        self.kv_cache_config = _kv_cache_config(shape, num_blocks, block_size, tp)
+        self.kv_cache_config = kv_cache_config_for(shape, num_blocks, block_size, tp)
         self.group_names = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
         self.width = [HEADS * tp * 2 * HEAD_SIZE if g != "mla" else HEAD_SIZE * 2
                       for g in shape.groups]
@@ -209,7 +161,7 @@ class SimWorld:
         cfg.parallel_config.rank = 0
         caches: dict[str, torch.Tensor] = {}
         ctx: dict[str, Any] = {}
-        backend = _mla_backend() if "mla" in self.shape.groups else CPUAttentionBackend
+        backend = mla_backend() if "mla" in self.shape.groups else CPUAttentionBackend
         for g, names in enumerate(self.group_names):
             for name in names:
                 if self.shape.groups[g] == "mla":
@@ -337,6 +289,7 @@ class SimWorld:
 
         side = self.connector.scheduler_side
         futs: list[cf.Future[Any]] = [p.future for p in side._probes.values()]
+        futs += [p.future for p in side._tail_probes.values()]
         futs += [lk.future for lk in side._lookups.values() if lk.future is not None]
         futs += [st.future for st in side._streams.values() if st.future is not None]
         pending = [f for f in futs if not f.done()]
@@ -468,86 +421,7 @@ def _gated(call: Any, world: SimWorld) -> Any:
     return gated
 
 
-def _window_of(kind: str) -> int:
-    return int(kind.split(":")[1]) if ":" in kind else 0
-
-
 def _no_barrier() -> None:
     """The TP group's barrier, for ranks registered one after the other."""
 
 
-def _mla_backend() -> Any:
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend  # type: ignore
-
-    return CPUMLABackend
-
-
-def _vllm_config(root: Path, cfg_path: Path, shape: Shape, *, tp: int, num_blocks: int,
-                 block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 max_model_len: int, engine_id: str) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    from kvtier.testing.models import build_tiny_llama
-    from kvtier.vllm.settings import kv_transfer_config
-
-    model = build_tiny_llama(root.parent / "sim-model", dtype="float32")
-    mc = ModelConfig(model=str(model), dtype="float32", skip_tokenizer_init=True,
-                     max_model_len=max_model_len, seed=0)
-    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-    cc.num_gpu_blocks = num_blocks
-    sc = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
-                         max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_batched_tokens,
-                         enable_chunked_prefill=True, async_scheduling=False)
-    ktc = KVTransferConfig(**kv_transfer_config(
-        cfg_path, model_fingerprint=f"sim-{shape.name}"), engine_id=engine_id)
-    pc = ParallelConfig(tensor_parallel_size=tp)
-    return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
-                      kv_transfer_config=ktc, parallel_config=pc,
-                      device_config=DeviceConfig("cpu"))
-
-
-def _kv_cache_config(shape: Shape, num_blocks: int, block_size: int, tp: int) -> Any:
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
-
-    groups, tensors = [], []
-    for g, kind in enumerate(shape.groups):
-        names = [f"model.layers.{g * LAYERS_PER_GROUP + i}.self_attn.attn"
-                 for i in range(LAYERS_PER_GROUP)]
-        common: dict[str, Any] = dict(block_size=block_size, num_kv_heads=HEADS,
-                                      head_size=HEAD_SIZE, dtype=torch.float32)
-        spec: Any
-        if kind == "full":
-            spec = FullAttentionSpec(**common)
-        elif kind.startswith("window:"):
-            spec = SlidingWindowSpec(**common, sliding_window=_window_of(kind))
-        elif kind.startswith("chunked:"):
-            spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=_window_of(kind))
-        elif kind == "mla":
-            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1,
-                                    head_size=HEAD_SIZE * 2, dtype=torch.float32)
-        else:
-            raise ValueError(f"unknown group kind {kind!r}")
-        groups.append(KVCacheGroupSpec(names, spec))
-        for n in names:
-            page = spec.page_size_bytes
-            tensors.append(KVCacheTensor(size=page * num_blocks, layers=[n],
-                                         layer_stride=page * num_blocks, block_stride=page))
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
-                         kv_cache_groups=groups)

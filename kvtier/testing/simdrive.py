@@ -249,7 +249,7 @@ def check_quiescent(world: SimWorld) -> None:
     side.store.flush(10.0)
     _wait_released(side)
     left = {name: len(getattr(side, name)) for name in (
-        "_lookups", "_saves", "_probes", "_waiting", "_decisions", "_async_blocks",
+        "_lookups", "_saves", "_probes", "_tail_probes", "_waiting", "_decisions", "_async_blocks",
         "_key_cache", "_epoch_of", "_restored", "_failed_saves", "_loads", "_to_save")}
     left = {k: v for k, v in left.items() if v}
     if left:

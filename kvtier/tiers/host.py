@@ -133,7 +133,7 @@ class HostTier:
         self.index.release(got[0])
         self.metrics.corrupt()
         log.warning("host chunk %s not served: %s", key.hex(), why)
-        self.index.remove(key)
+        self.index.delete(key)
         return None
 
     def release(self, slot: int) -> None:
@@ -175,7 +175,7 @@ class HostTier:
         if self.index.contains(meta.key):
             if mode is WriteMode.CREATE:
                 return PutStatus.EXISTS
-            if not self.index.remove(meta.key):
+            if not self.index.delete(meta.key):
                 return PutStatus.NO_SPACE  # held by a reader: cannot replace now
         t0 = time.perf_counter()
         r = self.reserve(meta.key)
@@ -196,7 +196,7 @@ class HostTier:
         return self.index.contains(key)
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
-        n = sum(self.index.remove(k) for k in keys)
+        n = sum(self.index.delete(k) for k in keys)
         self.metrics.used(len(self.index) * self.pool.slot_bytes)
         return n
 

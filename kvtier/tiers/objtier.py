@@ -34,15 +34,8 @@ Invariants:
   listed objects or ``tick.seconds`` (the injected clock), or at the end of a pass, and
   the next tick resumes at the next page. A full pass takes about its listing cost /
   ``tick.seconds`` ticks (``walk.last_pass`` measures it); no heartbeat lists the world.
-* **Re-checks before deletion.** ``collect`` and ``expire`` decide on an index snapshot,
-  then ask the store for each victim's stamp (``heads``), keep those another node used at
-  or after the decision's bound, keep those this node recorded anything for since the
-  snapshot (versions), and delete the rest only while each is still the version its
-  stat saw (``Transport.remove``); only the entry they picked leaves the index. On a file
-  tier that condition covers a renewal (the mtime is the version): one between the stat
-  and the delete survives. On S3 a renewal keeps the ETag, so one in that window is lost
-  with its object (the HEAD fallback alone compares the stamp): a recompute, never wrong
-  KV.
+* **Re-checks before deletion** (``kvtier.tiers.reclaim``): ``collect`` and ``expire``
+  decide on an index snapshot and delete only what the store confirms.
 * No I/O under the index lock; one collection at a time (``collect`` returns at once
   while one runs, ``expire`` and ``rescan`` wait for it).
 * Any thread may call any method; data-path methods never raise store faults (they are
@@ -69,15 +62,14 @@ from kvtier.objformat import (
     verify_payload,
 )
 from kvtier.tiers.base import ObjectInfo, PutStatus, TierUsage, WriteMode, as_bytes_view
-from kvtier.tiers.compact import MAX_SIZE, CompactIndex, Entry
+from kvtier.tiers.compact import MAX_SIZE, CompactIndex
+from kvtier.tiers.reclaim import Reclaimer
 from kvtier.tiers.scan import StartScan
 from kvtier.tiers.transport import (
     Changed,
     Exists,
     Missing,
     Outcome,
-    Page,
-    Stat,
     Transport,
     Version,
 )
@@ -85,18 +77,11 @@ from kvtier.tiers.walk import UNBOUNDED, TickBudget, Walk
 
 log = logging.getLogger("kvtier.objtier")
 
-#: Leeway between a node's clock and a store's listing times (S3 LastModified).
-CLOCK_SKEW_S = 60.0
 #: What one tick of the walk (an ``expire`` call, ``collect``'s walk step) costs at most:
 #: listed objects, and seconds (the first page boundary after them).
 TICK_OBJECTS = 20_000
 TICK_SECONDS = 1.0
 DEFAULT_TICK = TickBudget(TICK_OBJECTS, TICK_SECONDS)
-#: Victims one ``collect`` round considers at most.
-COLLECT_MAX = 4096
-
-_Pick = tuple[ChunkKey, Entry | None]
-_Doomed = tuple[ChunkKey, Stat, Entry | None]
 
 
 class ObjectTier:
@@ -109,9 +94,11 @@ class ObjectTier:
         touch_interval: float, low_watermark: float,
         tick: TickBudget = DEFAULT_TICK,
         walk_interval: float = 30.0, scan_rate: float = 0.0, index_threads: int = 1,
+        metrics: TierMetrics | None = None,
     ) -> None:
         """Subclasses call ``_open`` once their transport is ready. ``index_threads``:
-        workers of the start scan (``kvtier.tiers.scan``)."""
+        workers of the start scan (``kvtier.tiers.scan``). ``metrics``: the tier's
+        counters, when its transport counts into them too (else new ones)."""
         if scan_rate < 0:
             raise ValueError(f"scan_rate: must be >= 0 objects/s (0: no limit), got {scan_rate}")
         if index_threads < 1:
@@ -124,12 +111,14 @@ class ObjectTier:
         self._low_watermark = low_watermark
         self._tick = tick
         self._walk_interval = walk_interval
-        self.metrics = TierMetrics(name)
+        self.metrics = metrics if metrics is not None else TierMetrics(name)
         self.index = CompactIndex()
         self._collecting = threading.Lock()  # one collection at a time; held across I/O
         #: The walk (used under ``_collecting`` only).
         self.walk = Walk(transport, self.index, clock, self._fault, name=name)
         self._next_walk = clock.monotonic() + walk_interval
+        #: Re-checked removal (``collect``, ``expire``; under ``_collecting`` only).
+        self._reclaim = Reclaimer(transport, self.index, self.metrics, self._fault, self._used)
         self._ready = threading.Event()
         self._scan_rate = scan_rate
         self._index_threads = index_threads
@@ -294,7 +283,7 @@ class ObjectTier:
         now = self._clock.wall()
         entry = self.index.get(key)
         if entry is not None and now - entry.touched < self._touch_interval:
-            self.index.use(key, now)  # this node's view; the shared one waits for the next
+            self.index.touch(key, now)  # this node's view; the shared one waits for the next
             return
         self.index.remember(key, size, now, now)
         if not self._after_hit(key, now, version):  # dropped: not done, so not recorded
@@ -303,7 +292,7 @@ class ObjectTier:
     def _quarantine(self, key: ChunkKey, version: Version, why: str) -> None:
         """Remove a corrupt object, unless someone replaced it since it was read."""
         self.metrics.corrupt()
-        outcome = self.transport.discard(key, version)
+        outcome = self.transport.delete_if(key, version)
         if isinstance(outcome, Exception):
             self._fault("delete", outcome)
         done = "removed" if outcome is Outcome.DELETED else "not removed"
@@ -345,7 +334,7 @@ class ObjectTier:
 
     def delete(self, keys: Iterable[ChunkKey]) -> int:
         known = [k for k in dict.fromkeys(keys) if self._known(k)]
-        outcomes, fault = self.transport.remove([(k, None) for k in known])
+        outcomes, fault = self.transport.delete([(k, None) for k in known])
         if fault is not None:
             self._fault("delete", fault)
         n = 0
@@ -387,79 +376,9 @@ class ObjectTier:
                 for _ in self.walk.tick(self._tick, "collect"):
                     pass
             self._before_collect()
-            return self._evict_coldest()
+            return self._reclaim.evict_coldest(self.capacity, self._low_watermark)
         finally:
             self._collecting.release()
-
-    def _evict_coldest(self) -> int:
-        target = int(self.capacity * self._low_watermark)
-        freed = 0
-        if self._used() <= self.capacity:
-            return 0
-        for _ in range(3):  # victims another node used meanwhile are kept; pick again
-            excess = self._used() - target
-            if excess <= 0:
-                break
-            picked: list[_Pick] = list(self.index.coldest(COLLECT_MAX, excess))
-            if not picked:
-                break
-            heads = self._heads(picked, "collect")
-            if heads is None:
-                break
-            freed += self._remove(self._doom(picked, heads, None), evicting=True)[1]
-        self._report_used()
-        return freed
-
-    def _heads(self, picked: Sequence[_Pick], op: str) -> list[Stat | None] | None:
-        try:
-            return self.transport.heads([key for key, _ in picked])
-        except self.transport.faults as e:
-            self._fault(op, e)
-            return None
-
-    def _doom(
-        self, picked: Sequence[_Pick], heads: Sequence[Stat | None], keep_from: float | None
-    ) -> list[_Doomed]:
-        """Which of ``picked`` to delete, given their stats: not those gone, used (by any
-        node) at or after ``keep_from`` (None: after the entry picked), or recorded by this
-        node since the pick. Updates the index for the ones kept."""
-        doomed: list[_Doomed] = []
-        for (key, seen), st in zip(picked, heads, strict=True):
-            if st is None:
-                if seen is not None:
-                    self.index.forget_if(key, seen)  # already gone
-                continue
-            bound = keep_from if keep_from is not None else \
-                (seen.last_used + 1e-3 if seen is not None else float("inf"))
-            if st.used >= bound:
-                if seen is not None:
-                    self.index.replace_if(key, seen, st.size, st.used)
-            elif self.index.get(key) == seen:  # else this node used it since the pick
-                doomed.append((key, st, seen))
-        return doomed
-
-    def _remove(self, doomed: list[_Doomed], *, evicting: bool) -> tuple[int, int]:
-        """Delete ``doomed``, each only while it is still the version its stat saw. A
-        deleted key leaves the index only if its entry is still the one picked. Returns
-        ``(objects, bytes)`` deleted."""
-        if not doomed:
-            return 0, 0
-        outcomes, fault = self.transport.remove([(k, st) for k, st, _ in doomed])
-        if fault is not None:
-            self._fault("collect" if evicting else "delete", fault)
-        n = freed = 0
-        for key, st, seen in doomed:
-            outcome = outcomes.get(key)
-            if outcome is None or outcome is Outcome.KEPT:  # a fault, or replaced since
-                continue
-            if seen is not None:
-                self.index.forget_if(key, seen)
-            if outcome is Outcome.DELETED:
-                n, freed = n + 1, freed + (seen.size if seen is not None else st.size)
-        if evicting:
-            self.metrics.evicted(n)
-        self._report_used()
-        return n, freed
 
     def rescan(self) -> None:
         """Walk one whole pass from the start now (other nodes' writes, removals)."""
@@ -510,22 +429,10 @@ class ObjectTier:
                 self.walk.restart()
             cutoff = self._clock.wall() - lease_seconds
             budget = UNBOUNDED if whole_pass else self._tick
-            n = sum(self._expire_page(page, cutoff)
+            n = sum(self._reclaim.expire_page(page, cutoff)
                     for page in self.walk.tick(budget, "expire"))
             self._report_used()
         return n
-
-    def _expire_page(self, page: Page, cutoff: float) -> int:
-        # An S3 listing has only LastModified; the stat below decides on kvtier's stamp.
-        maybe = cutoff if self.transport.exact_listing else cutoff + CLOCK_SKEW_S
-        picked: list[_Pick] = [(obj.key, self.index.get(obj.key))
-                               for obj in page.objects if obj.used < maybe]
-        if not picked:
-            return 0
-        heads = self._heads(picked, "expire")
-        if heads is None:
-            return 0
-        return self._remove(self._doom(picked, heads, cutoff), evicting=True)[0]
 
     def close(self) -> None:
         self._closing.set()  # the start scan stops after its current page (or wait)

@@ -155,10 +155,10 @@ class S3Transport:
         self.io.write(self.object_name(key), header, body, {USED: repr(now)}, create=create)
         return now
 
-    def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception:
+    def delete_if(self, key: ChunkKey, version: Version) -> Outcome | Exception:
         return self._deleter.delete_one(Victim(self.object_name(key), str(version)))
 
-    def copy_stamp(self, name: str, now: float, etag: str = "") -> bool:
+    def stamp_if(self, name: str, now: float, etag: str = "") -> bool:
         """Set the object's ``kvtier-used`` to ``now`` by a server-side copy onto itself
         (only if it is still version ``etag``, when given and the endpoint honours that;
         copying a newer version instead is harmless, see ``s3caps``); False if gone.
@@ -177,12 +177,12 @@ class S3Transport:
 
     def stamp(self, key: ChunkKey, now: float) -> Stat | None:
         name = self.object_name(key)
-        if not self.copy_stamp(name, now):
+        if not self.stamp_if(name, now):
             return None
         head = self.io.head(name)
         return None if head is None else Stat(head.size, now, head.etag)
 
-    def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
+    def delete(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         by_name = {self.object_name(k): k for k, _ in victims}
         removal = self._deleter.delete([
@@ -342,9 +342,9 @@ class S3Tier(ObjectTier):
             return len(self._stamp_keys)
 
     def _stamp(self, name: str, now: float, etag: str = "") -> bool:
-        """``S3Transport.copy_stamp``, its faults counted; False if gone or failed."""
+        """``S3Transport.stamp_if``, its faults counted; False if gone or failed."""
         try:
-            return self.objects.copy_stamp(name, now, etag)
+            return self.objects.stamp_if(name, now, etag)
         except S3_ERRORS as e:
             self._fault("touch", e)
             return False

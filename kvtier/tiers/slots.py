@@ -2,7 +2,7 @@
 
 Slot life cycle (a bad transition raises ``SlotStateError`` naming the current state)::
 
-    FREE --reserve(key)--> WRITING --commit(meta)--> READY --evict/remove--> FREE
+    FREE --reserve(key)--> WRITING --commit(meta)--> READY --evict/delete--> FREE
                               \\--abort--> FREE
                               \\--commit of a duplicate--> FREE
 
@@ -25,7 +25,7 @@ Invariants:
   not READY.
 * A *held* slot (``holds > 0``: being read, or being spilled to a lower tier; ``hold``
   and ``take_dirty`` take holds, ``release`` gives one back) or a WRITING one is never
-  evicted or removed.
+  evicted or deleted.
 * A ``dirty`` slot holds data not yet persisted to the write-back tiers; it is never
   evicted, only spilled first (``take_dirty``), and marked clean once one write-back
   tier holds it (one that every write-back tier failed stays dirty).
@@ -110,7 +110,7 @@ class SlotIndex:
         #: notified whenever a key stops being written (its slot committed or aborted)
         self._settled = threading.Condition(self._lock)
         #: Told ``(True, key)`` when a key becomes READY (committed) and ``(False, key)``
-        #: when a READY key leaves (evicted, removed): the KV event stream
+        #: when a READY key leaves (evicted, deleted): the KV event stream
         #: (``kvtier.vllm.events``). Called under the index lock from whichever thread
         #: changed it, so it must only enqueue (never block, never call back in).
         self.observer: Callable[[bool, ChunkKey], None] | None = None
@@ -128,7 +128,7 @@ class SlotIndex:
     def _evictable(self, key: ChunkKey) -> bool:
         return self._slots[self._by_key[key]].holds == 0  # the policy holds clean keys only
 
-    def _use(self, s: _Slot) -> None:
+    def _touch(self, s: _Slot) -> None:
         self._uses += 1
         s.used = self._uses
 
@@ -199,7 +199,7 @@ class SlotIndex:
                 return False
             s.state, s.meta, s.dirty = SlotState.READY, meta, dirty
             s.dirty_since = self._clock.monotonic() if dirty else 0.0
-            self._use(s)
+            self._touch(s)
             if dirty:
                 self._dirty_order[slot] = s.dirty_since
                 self._dirty_lru[meta.key] = slot
@@ -239,7 +239,7 @@ class SlotIndex:
                 return None
             s = self._expect(slot, SlotState.READY)
             s.holds += 1
-            self._use(s)
+            self._touch(s)
             if s.dirty:
                 self._dirty_lru.move_to_end(key)
             else:
@@ -342,8 +342,8 @@ class SlotIndex:
         with self._lock:
             return len(self._slots) - self._dirty - self._writing
 
-    def remove(self, key: ChunkKey) -> bool:
-        """Drop ``key`` if present and unheld. Returns whether it was removed."""
+    def delete(self, key: ChunkKey) -> bool:
+        """Drop ``key`` if present and unheld. Returns whether it was deleted."""
         with self._lock:
             slot = self._by_key.get(key)
             if slot is None or self._slots[slot].holds:
@@ -354,7 +354,7 @@ class SlotIndex:
                 del self._dirty_lru[key]
                 self._dirty_order.pop(slot, None)
             else:
-                self._policy.remove(key)
+                self._policy.forget(key)
             self._slots[slot] = _Slot()
             self._free.append(slot)
             if self.observer is not None:

@@ -9,7 +9,7 @@ Invariants every transport keeps:
 * ``write(create=True)`` never replaces an object (it raises ``Exists``); a write is
   atomic: a reader sees the whole object or none.
 * ``read`` fills ``head`` (the header span) and ``body`` from one version of the object and
-  returns its length and that version; ``discard`` and ``remove`` delete an object only
+  returns its length and that version; ``delete_if`` and ``delete`` delete an object only
   while it is still the version named (where the store lets that be checked; each
   transport states its window).
 * ``page(cursor)`` lists one small bounded slice of the store: one leaf directory
@@ -118,14 +118,17 @@ class Transport(Protocol):
         """Store the object stamped ``now``; returns the stamp it got. Raises ``Exists``."""
         ...
 
-    def discard(self, key: ChunkKey, version: Version) -> Outcome | Exception: ...
+    def delete_if(self, key: ChunkKey, version: Version) -> Outcome | Exception:
+        """Delete the object only while it is still ``version`` (a corrupt object); the
+        outcome, or the store fault (returned, not raised)."""
+        ...
 
     def stamp(self, key: ChunkKey, now: float) -> Stat | None:
         """Set the shared stamp to ``now`` unconditionally; the object's stat after it,
         None if it is not there."""
         ...
 
-    def remove(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
+    def delete(self, victims: Sequence[tuple[ChunkKey, Stat | None]]
                ) -> tuple[dict[ChunkKey, Outcome], Exception | None]:
         """Delete each victim while it is still the version of its stat (None: any)."""
         ...

@@ -61,14 +61,12 @@ from kvtier.metrics import drain_export, enable_export, record_worker_step
 from kvtier.tiers.base import TierError
 from kvtier.vllm.events import KVEvents
 from kvtier.vllm.eventsetup import engine_waker, events_for
-from kvtier.vllm.geometry import (
+from kvtier.vllm.geometry import geometry_from_kv_cache_config, namespace_for, tp_placement
+from kvtier.vllm.physical import (
     PhysicalKV,
     check_kv_scales_config,
     describe_layout,
-    geometry_from_kv_cache_config,
     kv_scales_digest,
-    namespace_for,
-    tp_placement,
 )
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler_side import SchedulerSide

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 from kvtier.vllm.scheduler.finish import Finish
 from kvtier.vllm.scheduler.lookup import Lookups
-from kvtier.vllm.scheduler.records import PROBE_INTERVAL_S, STAGED_STEPS, TAIL_PROBE
+from kvtier.vllm.scheduler.records import PROBE_INTERVAL_S, STAGED_STEPS
 from kvtier.vllm.scheduler.shapes import Shape, shape_of
 from kvtier.vllm.scheduler.shutdown import Shutdown
 from kvtier.vllm.scheduler.steps import Steps
 
-__all__ = ["PROBE_INTERVAL_S", "STAGED_STEPS", "TAIL_PROBE", "SchedulerSide"]
+__all__ = ["PROBE_INTERVAL_S", "STAGED_STEPS", "SchedulerSide"]
 
 
 class SchedulerSide(Lookups, Steps, Finish, Shutdown):

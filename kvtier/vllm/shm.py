@@ -55,7 +55,7 @@ from kvtier.hostmem import remove_shared as remove_pool
 from kvtier.tiers.base import TierError
 from kvtier.tiers.fsutil import CREATE_FLAGS, NotRegular, open_regular, write_all
 from kvtier.tiers.pool import HostPool
-from kvtier.vllm.geometry import PhysicalKV
+from kvtier.vllm.physical import PhysicalKV
 
 __all__ = [
     "SHM_DIR",

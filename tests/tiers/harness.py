@@ -75,7 +75,7 @@ def drain_host(host: HostTier) -> None:
     back at zero), being written or dirty: what a leak-free load leaves behind."""
     assert host.index.clean_or_free() == host.index.num_slots, "a slot is WRITING or dirty"
     for _, meta in host.index.entries():
-        assert host.index.remove(meta.key), f"chunk {meta.key.hex()} is still held"
+        assert host.index.delete(meta.key), f"chunk {meta.key.hex()} is still held"
     assert len(host.index) == 0
 
 

@@ -42,14 +42,14 @@ def test_a_renewal_between_the_stat_and_the_delete_keeps_the_object(tmp_path: Pa
     seen = tier.files.head(key)
     assert seen is not None
     assert other.renew(key)  # another node renews it after the stat
-    outcomes, fault = tier.files.remove([(key, seen)])
+    outcomes, fault = tier.files.delete([(key, seen)])
     assert fault is None and outcomes == {key: Outcome.KEPT}
     assert tier.path_of(key).stat().st_mtime == pytest.approx(clock.wall())
     assert _leftovers(tmp_path) == []
     # Unchanged since its stat: deleted, and nothing is left behind.
     seen = tier.files.head(key)
     assert seen is not None
-    assert tier.files.remove([(key, seen)]) == ({key: Outcome.DELETED}, None)
+    assert tier.files.delete([(key, seen)]) == ({key: Outcome.DELETED}, None)
     assert not tier.path_of(key).exists() and _leftovers(tmp_path) == []
 
 
@@ -93,7 +93,7 @@ def test_an_object_replaced_while_in_the_graveyard_is_not_overwritten(
             path.write_bytes(b"new")
 
     monkeypatch.setattr(os, "rename", rename_then_publish)
-    outcomes, _ = tier.files.remove([(key, seen)])
+    outcomes, _ = tier.files.delete([(key, seen)])
     monkeypatch.undo()
     assert outcomes == {key: Outcome.KEPT}
     assert path.read_bytes() == b"new" and _leftovers(tmp_path) == []

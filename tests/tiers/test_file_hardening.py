@@ -206,7 +206,7 @@ def test_the_start_scan_skips_fifos_and_symlinked_directories(
     assert again.usage().bytes == 0
     assert guard.run(again.collect) == 0
     clock.advance(2 * GRACE)
-    assert guard.run(again.remove_stale_temps) == 0  # a FIFO is not a temp file
+    assert guard.run(again.delete_stale_temps) == 0  # a FIFO is not a temp file
 
 
 # -- modes --------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_start_removes_stale_temps_and_counts_the_others(
     again = _tier(root, clock)  # a restart
     assert not stale.exists() and not probe.exists()
     assert young.exists()
-    assert again.removed_temps == 2
+    assert again.deleted_temps == 2
     assert again.usage().objects == 1
     assert again.usage().bytes == OBJECT + 3000
     assert again.contains_prefix([key]) == 1
@@ -307,7 +307,7 @@ def test_the_collector_removes_a_temp_once_its_writer_is_idle_past_the_grace(
     tier.collect()
     assert not tmp.exists()
     assert tier.usage().bytes == 0
-    assert tier.removed_temps == 1
+    assert tier.deleted_temps == 1
 
 
 def test_temp_files_count_against_capacity(root: Path, clock: ManualClock) -> None:

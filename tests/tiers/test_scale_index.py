@@ -49,7 +49,7 @@ def test_the_compact_index_behaves_like_an_ordered_dict(ops: list[tuple[str, Chu
             index.forget(key)
         elif op == "use" and key in model:
             model[key] = (model.pop(key)[0], float(t))
-            index.use(key, float(t))
+            index.touch(key, float(t))
         elif op == "scan" and key not in model and key not in scanned:
             scanned[key] = (size, float(-t))  # older than anything recorded
             index.add_scanned([(key, size, float(-t))])
@@ -71,7 +71,7 @@ def test_a_changed_entry_is_not_forgotten_by_a_stale_version() -> None:
     seen = index.get(key)
     assert seen is not None
     mark = index.mark()
-    index.use(key, 2.0)
+    index.touch(key, 2.0)
     now = index.get(key)
     assert now is not None and CompactIndex.changed_since(now, mark)
     assert not index.forget_if(key, seen) and key in index

@@ -80,7 +80,7 @@ def test_held_and_dirty_slots_are_never_evicted() -> None:
     _ready(index, 2, dirty=True)
     assert index.hold(make_key(1)) == (held, meta_for(make_key(1)))
     assert index.reserve(make_key(3)) is None  # one held, one dirty: nothing to evict
-    assert not index.remove(make_key(1))
+    assert not index.delete(make_key(1))
     index.release(held)
     r = index.reserve(make_key(3))
     assert r is not None and r.evicted == (make_key(1),) and r.slot == held

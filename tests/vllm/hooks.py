@@ -15,7 +15,7 @@ from kvtier.clock import ManualClock
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace
 from kvtier.vllm.geometry import Geometry
-from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, TAIL_PROBE, SchedulerSide
+from kvtier.vllm.scheduler_side import PROBE_INTERVAL_S, SchedulerSide
 
 
 class Blocks:
@@ -36,8 +36,8 @@ def ask(sched: SchedulerSide, req: SimpleNamespace, num_computed: int = 0) -> in
     n: int | None = None
     for _ in range(6):  # a probe of the chunks, one of the tail, the staging
         n, _ = sched.get_num_new_matched_tokens(req, num_computed)
-        probes = [p for rid, p in sched._probes.items()
-                  if rid.split(TAIL_PROBE)[0] == req.request_id]
+        probes = [p for p in (sched._probes.get(req.request_id),
+                              sched._tail_probes.get(req.request_id)) if p is not None]
         lk = sched._lookups.get(req.request_id)
         futures: list[Future[Any] | None] = [*(p.future for p in probes),
                                              lk.future if lk else None]

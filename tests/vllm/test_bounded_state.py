@@ -73,7 +73,7 @@ def _one_request(sched: SchedulerSide, i: int) -> None:
 def _state_sizes(sched: SchedulerSide) -> dict[str, int]:
     return {name: len(getattr(sched, name)) for name in (
         "_lookups", "_saves", "_loads", "_load_holds", "_to_save", "_holds_by_step",
-        "_restored", "_waiting", "_key_cache", "_decisions", "_probes", "_epoch_of",
+        "_restored", "_waiting", "_key_cache", "_decisions", "_probes", "_tail_probes", "_epoch_of",
         "_capped")}
 
 

@@ -15,7 +15,6 @@ from kvtier.metrics import record_drop
 from kvtier.vllm.hybrid import full_groups, local_groups, saveable_groups
 from kvtier.vllm.identity import PENDING, Unsupported
 from kvtier.vllm.scheduler.records import (
-    TAIL_PROBE,
     _request_params,
     _saveable_tokens,
     _SavePiece,
@@ -221,7 +220,7 @@ class Finish(Saves):
             st.cancel()  # the worker reports it received once its copies are done
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
-        self._probes.pop(rid + TAIL_PROBE, None)
+        self._tail_probes.pop(rid, None)
         self._async_blocks.pop(rid, None)
         self._recving.discard(rid)
         self._load_failed.discard(rid)

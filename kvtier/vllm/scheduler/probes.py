@@ -24,18 +24,20 @@ class Probes(RequestKeys):
     """Lower-tier probes and P/D announcements, for the lookup."""
 
     def _probing(self, rid: str, beyond: list[ChunkKey], waiting: bool, *,
-                 alternatives: bool = False) -> bool:
+                 alternatives: bool = False, tail: bool = False) -> bool:
         """Ask the lower tiers about ``beyond`` (the chunks past what the indexes know) on
         an IO thread; True while the answer is pending: the hook then answers "ask again".
 
         One probe per request, given up after ``restore.lookup_timeout_seconds`` (then the
         indexes' answer stands: a recompute, never a wait on storage). A P/D decode that
         waits for announced chunks probes again, at most every ``PROBE_INTERVAL_S``.
+        ``tail``: the request's second probe, for its tail's candidates (``_tail_probes``).
         """
         if not beyond:
             return False
         now = self.clock.monotonic()
-        p = self._probes.get(rid)
+        probes = self._tail_probes if tail else self._probes
+        p = probes.get(rid)
         if p is None or (waiting and p.answered is not None
                          and now - p.answered >= PROBE_INTERVAL_S):
             if not self.store.can_probe():
@@ -49,7 +51,7 @@ class Probes(RequestKeys):
             at_stake = len(beyond) * self.ct
             limit = self.lookup_timeout_s if waiting else self.waits.seconds(
                 self.lookup_timeout_s, 0, at_stake, now)
-            self._probes[rid] = _Probe(fut, now, progress, limit_s=limit)
+            probes[rid] = _Probe(fut, now, progress, limit_s=limit)
             return True
         if p.answered is not None:
             return False

@@ -107,10 +107,6 @@ class _Staging:
     stream: tuple[Lookup, list[ChunkSpec]] | None = None
 
 
-#: ``_probes`` key suffix of a request's probe for its tail (after the chunks' probe).
-TAIL_PROBE = "\x00tail"
-
-
 #: A P/D decode waiting for announced chunks asks the shared tier at most this often.
 PROBE_INTERVAL_S = 0.05
 

@@ -114,7 +114,7 @@ class Saves(RequestKeys):
                     record_drop("host_full")
                     break
                 if c == stored and supersede:  # another request's copy is (being) stored
-                    self.store.discard(self._superseded(request, keys, c,
+                    self.store.delete(self._superseded(request, keys, c,
                                                         piece.span or self.bpc))
                 # stored meanwhile, or being saved by another request: held. Announced
                 # if published, or (P/D) if two saves of it are in flight already (one
@@ -220,7 +220,7 @@ class Saves(RequestKeys):
                 else:
                     self.store.commit(slot, meta)
         if st.supersedes and st.by_step and not bad:
-            self.store.discard(st.supersedes)
+            self.store.delete(st.supersedes)
         if st.issued:
             for slot, _ in st.issued:
                 self.store.abort(slot)
@@ -250,7 +250,7 @@ class Saves(RequestKeys):
             if st.failed:
                 st.pending = []
             elif st.supersedes:
-                self.store.discard(st.supersedes)
+                self.store.delete(st.supersedes)
                 st.supersedes = []
             if st.done():
                 del self._save_streams[rid]

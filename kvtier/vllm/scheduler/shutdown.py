@@ -37,6 +37,7 @@ class Shutdown(SchedulerState):
         for rid in list(self._lookups):
             self._forget(rid)
         self._probes.clear()
+        self._tail_probes.clear()
         self._waiting.clear()
         if self.cfg.reset_cache == "host":
             n, empty = self.store.empty_host()

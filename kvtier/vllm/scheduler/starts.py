@@ -18,10 +18,7 @@ from kvtier.objformat import ChunkSpec
 from kvtier.store import Lookup
 from kvtier.vllm.hybrid import full_groups
 from kvtier.vllm.scheduler.probes import Probes
-from kvtier.vllm.scheduler.records import (
-    TAIL_PROBE,
-    _Staging,
-)
+from kvtier.vllm.scheduler.records import _Staging
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -63,8 +60,8 @@ class ShapeStarts(Probes):
             # and not indexed yet. Its candidates are asked once, like the chunks were.
             cands = self._tail_candidates(request, keys, first + hit.hits, num_computed,
                                           limit)
-            if self._probing(rid + TAIL_PROBE, [k for _, k in cands], False,
-                             alternatives=True):
+            if self._probing(rid, [k for _, k in cands], False, alternatives=True,
+                             tail=True):
                 return None, False
             tail = self._find_tail(request, keys, first + hit.hits, num_computed, limit)
         if hit.hits == 0 and tail is None:

@@ -108,6 +108,8 @@ class SchedulerState:
         self._waiting: dict[str, float] = {}  # decode: req -> when it started waiting
         self._decisions: dict[str, Decision] = {}  # req -> restore-or-recompute decision
         self._probes: dict[str, _Probe] = {}  # req -> its question to the lower tiers
+        #: req -> its question about its tail, asked after its chunks' (``_probing``)
+        self._tail_probes: dict[str, _Probe] = {}
         #: req -> blocks its asynchronous load copies (a hybrid model's), until finished
         self._async_blocks: dict[str, int] = {}
         #: requests whose asynchronous load is issued and not reported received yet: vLLM

@@ -97,7 +97,7 @@ class Steps(Loads, Saves):
                 elif not self.store.commit(slot, meta):
                     lost.append(meta.key)  # a backup another save beat to it
             if save.supersedes and not failed:
-                self.store.discard(save.supersedes)
+                self.store.delete(save.supersedes)
             if lost and self.role != "both":
                 # this request announced them: offer the published copies to the shared
                 # tiers again, in case the winner's write-through was dropped (a CREATE
