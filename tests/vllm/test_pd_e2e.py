@@ -425,11 +425,15 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
                        for s in (pd.prefill, pd.decode))
 
         before_probes = probes()
+        t0 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: httpx.get(url + "/health").status_code,
                                   range(64)))
+        seconds = time.monotonic() - t0  # long on a loaded machine: a probe per second
         assert set(codes) == {200}
-        assert 0 < probes() - before_probes <= 2 * 4, "the flood reached the backends"
+        allowed = 2 * (int(seconds) + 2)  # 2 backends, one probe per second (health_interval)
+        assert 0 < probes() - before_probes <= min(allowed, 64), \
+            f"the flood reached the backends ({seconds:.1f} s of flood)"
 
 
 def test_router_faults_get_a_clear_status(pd: PD) -> None:
