@@ -101,6 +101,24 @@ class DoneHandle:
         return None
 
 
+class BothHandles:
+    """Done when both handles are (one request's saves on two KV-cache groups' batches)."""
+
+    def __init__(self, a: CopyHandle, b: CopyHandle) -> None:
+        self._a, self._b = a, b
+
+    def done(self) -> bool:
+        return self._a.done() and self._b.done()
+
+    def wait(self) -> None:
+        self._a.wait()
+        self._b.wait()
+
+    def stream_wait(self) -> None:
+        self._a.stream_wait()
+        self._b.stream_wait()
+
+
 @dataclass(frozen=True)
 class EventHandle:
     """A CUDA copy; complete once ``event`` has been reached on the copy stream."""

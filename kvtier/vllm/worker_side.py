@@ -35,7 +35,7 @@ from vllm.config import CUDAGraphMode
 
 from kvtier.config import KVTierConfig
 from kvtier.ops import CopyBackend, KVLayout, layout_from_backend, resolve_copy_backend
-from kvtier.ops.backend import CopyHandle
+from kvtier.ops.backend import BothHandles, CopyHandle
 from kvtier.ops.stepcopy import (
     Batches,
     Issue,
@@ -374,7 +374,7 @@ class WorkerSide:
                 # each) the request waits for every handle it was given
                 prev = self._in_flight.get(op.req_id)
                 self._in_flight[op.req_id] = (result if prev is None or prev is result
-                                              else _Both(prev, result))
+                                              else BothHandles(prev, result))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks vLLM may free now (finished, and their saves complete),
@@ -473,24 +473,6 @@ class WorkerSide:
             remove_pool(self.pool_path)
         if self.host_pool is not None:
             remove_published(self.pool_path, self.tp_rank)
-
-
-class _Both:
-    """Done when both handles are (a request's saves on two groups' batches)."""
-
-    def __init__(self, a: CopyHandle, b: CopyHandle) -> None:
-        self._a, self._b = a, b
-
-    def done(self) -> bool:
-        return self._a.done() and self._b.done()
-
-    def wait(self) -> None:
-        self._a.wait()
-        self._b.wait()
-
-    def stream_wait(self) -> None:
-        self._a.stream_wait()
-        self._b.stream_wait()
 
 
 def forward_runs_layer_by_layer(forward_context: Any) -> bool:
