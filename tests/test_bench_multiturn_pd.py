@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.benchrun import run_benchmark
 
 
+@pytest.mark.vllm
 def test_smoke_preset_records_every_turn_and_dp_reuse(tmp_path: Path, models_dir: Path) -> None:
     out = tmp_path / "out"
     stdout = run_benchmark("benchmarks/multiturn_pd.py", "--preset", "smoke",

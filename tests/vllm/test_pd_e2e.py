@@ -39,6 +39,8 @@ from kvtier.tiers.file import FileTier
 from kvtier.vllm.settings import kv_transfer_config
 from tests.conftest import cephfs_dir
 
+pytestmark = pytest.mark.vllm
+
 CT = 128  # chunk tokens = vLLM's CPU block size
 THRESHOLD = 200  # above one chunk, so a single reusable chunk is below it
 LEASE = 480.0
