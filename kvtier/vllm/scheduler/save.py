@@ -214,17 +214,24 @@ class Saves(RequestKeys):
             return
         bad = failed or st.failed
         for step in sorted(st.by_step):
-            for slot, meta in st.by_step[step]:
-                if bad:
-                    self.store.abort(slot)
-                else:
-                    self.store.commit(slot, meta)
-        if st.supersedes and st.by_step and not bad:
-            self.store.delete(st.supersedes)
+            self._settle_slots(st, st.by_step[step], bad)
         if st.issued:
             for slot, _ in st.issued:
                 self.store.abort(slot)
             self._to_save = [op for op in self._to_save if op.req_id != rid]
+
+    def _settle_slots(self, st: _SaveStream, slots: list[tuple[int, ChunkMeta]],
+                      bad: bool) -> None:
+        """Abort ``slots`` of ``st`` if ``bad``; else commit them, and delete the shorter
+        tails its first piece supersedes (once)."""
+        for slot, meta in slots:
+            if bad:
+                self.store.abort(slot)
+            else:
+                self.store.commit(slot, meta)
+        if not bad and st.supersedes:
+            self.store.delete(st.supersedes)
+            st.supersedes = []
 
     def _save_step_acked(self, step: int, failed: bool) -> None:
         """One rank acknowledged ``step``'s streamed saves (``failed``: one of its copies
@@ -242,16 +249,9 @@ class Saves(RequestKeys):
             if bad and not st.failed:
                 log.error("kvtier: streamed save of %s failed; the rest is not saved", rid)
             st.failed = st.failed or bad
-            for slot, meta in slots:
-                if st.failed:
-                    self.store.abort(slot)
-                else:
-                    self.store.commit(slot, meta)
+            self._settle_slots(st, slots, st.failed)
             if st.failed:
                 st.pending = []
-            elif st.supersedes:
-                self.store.delete(st.supersedes)
-                st.supersedes = []
             if st.done():
                 del self._save_streams[rid]
 
