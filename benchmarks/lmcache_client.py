@@ -15,6 +15,10 @@ Servers, one after the other, the same model (``--preset``'s):
   and kvtier configured by ``configs/local.yaml`` as shipped, except the host pool's
   capacity and the file tier's directory (a fresh temporary one), so returns come from the
   host pool or, when it is too small, from the file tier.
+* ``host=<size>+s3`` for each ``--s3-capacities`` entry: the same, with the file tier
+  replaced by an S3 tier (``configs/s3.yaml``'s settings) on a throwaway Ceph cluster's
+  RGW (``kvtier.testing.ceph``; ``make ceph`` installs it), so returns that miss the host
+  pool come from S3.
 
 Reported per server, from the client's CSV: the median and p90 TTFT of returning rounds
 (``question_id >= 2``) and their ratios to the ideal's; from ``/metrics``: the prompt tokens
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,8 @@ from kvtier.vllm.settings import kv_transfer_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL_YAML = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+S3_YAML = LOCAL_YAML.with_name("s3.yaml")
+S3_BUCKET = "kvtier-lmcc"
 TARGETS = {"48MiB": (1.2, 1.5), "16MiB": (1.5, None)}
 
 
@@ -72,6 +79,41 @@ def local_config(path: Path, store: Path, host_capacity: str) -> Path:
             tier["file"]["path"] = str(store)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def s3_config(path: Path, host_capacity: str, endpoint: str, prefix: str) -> Path:
+    """``configs/local.yaml``'s settings with the host pool's capacity replaced and the
+    file tier replaced by ``configs/s3.yaml``'s S3 tier at ``endpoint`` (bucket
+    ``S3_BUCKET``, its own ``prefix``, path-style addressing as self-hosted endpoints
+    need)."""
+    cfg = yaml.safe_load(LOCAL_YAML.read_text())
+    s3 = next(t["s3"] for t in yaml.safe_load(S3_YAML.read_text())["tiers"] if "s3" in t)
+    s3.update(bucket=S3_BUCKET, prefix=prefix, endpoint_url=endpoint, path_style=True,
+              capacity="20GiB")
+    tiers = []
+    for tier in cfg["tiers"]:
+        if "host" in tier:
+            tier["host"]["capacity"] = host_capacity
+            tiers.append(tier)
+    cfg["tiers"] = [*tiers, {"s3": s3}]
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@contextlib.contextmanager
+def rgw(work: Path) -> Iterator[str]:
+    """A throwaway Ceph cluster's RGW endpoint with ``S3_BUCKET`` created; the test
+    credentials are in ``os.environ`` (the servers inherit them) while it runs."""
+    import boto3
+
+    from kvtier.testing.ceph import ceph_cluster
+    from kvtier.testing.s3server import dummy_credentials
+
+    with dummy_credentials(), ceph_cluster(work / "ceph") as cluster:
+        client = boto3.client("s3", endpoint_url=cluster.s3_endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket=S3_BUCKET)
+        client.close()
+        yield cluster.s3_endpoint
 
 
 def run_client(args: argparse.Namespace, url: str, out_csv: Path,
@@ -95,13 +137,23 @@ def make_server(name: str, args: argparse.Namespace, model: Path, tmp: Path,
     """``ideal`` or ``host=<size>``'s server (not started)."""
     kvt = None
     blocks = args.ideal_blocks
-    if name != "ideal":
+    if name.endswith("+s3"):
+        host = name.split("=", 1)[1].removesuffix("+s3")
+        kvt = kv_transfer_config(s3_config(tmp / f"{host}-s3.yaml", host, args.s3_endpoint,
+                                           f"lmcc-{host}/"))
+        blocks = args.small_blocks
+    elif name != "ideal":
         host = name.split("=", 1)[1]
         kvt = kv_transfer_config(local_config(tmp / f"{host}.yaml", tmp / f"store-{host}", host))
         blocks = args.small_blocks
     return APIServer(tmp / name.replace("=", "-"), model=model, name=name.replace("=", "-"),
                      dtype=args.dtype, max_model_len=args.max_model_len,
                      kv_transfer_config=kvt, num_gpu_blocks_override=blocks, cpus=cpus)
+
+
+def safe(name: str) -> str:
+    """A server's name as a file name."""
+    return name.replace("=", "-").replace("+", "-")
 
 
 def run_server(name: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
@@ -130,7 +182,7 @@ def measure(name: str, args: argparse.Namespace, server: APIServer,
                             else max(back)),
         "returning_max_s": max(back),
         "round1_median_s": statistics.median(first) if first else None,
-        "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),
+        "prompt_tokens": sum(int(float(r["prompt_tokens"])) for r in rows),
         "computed_tokens": metric(text, "vllm:prompt_tokens_by_source_total",
                                   source="local_compute"),
         "restored_tokens": metric(text, "vllm:prompt_tokens_by_source_total",
@@ -194,6 +246,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ideal-blocks", type=int, default=600)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--host-capacities", default="2GiB,48MiB,16MiB")
+    ap.add_argument("--s3-capacities", default="",
+                    help="host pool sizes to run with an S3 tier (Ceph RGW) below instead of "
+                         "the file tier, e.g. 48MiB")
     ap.add_argument("--runs", default=None, help="comma list of servers (default: all)")
     ap.add_argument("--parallel", action="store_true",
                     help="run the servers at once, each on its own cores (a shared machine)")
@@ -211,13 +266,16 @@ def main(argv: list[str] | None = None) -> int:
               "benchmarks/multi_round_qa directory", file=sys.stderr)
         return 2
     model = preset_model(args.preset, Path(args.cache_dir))
-    names = ["ideal"] + [f"host={c}" for c in args.host_capacities.split(",") if c]
+    names = (["ideal"] + [f"host={c}" for c in args.host_capacities.split(",") if c]
+             + [f"host={c}+s3" for c in args.s3_capacities.split(",") if c])
     if args.runs:
         names = [n for n in names if n in args.runs.split(",")]
     summary: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvt-lmcc-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvt-lmcc-") as d, contextlib.ExitStack() as stack:
         work = Path(args.keep_dir) if args.keep_dir else Path(d)
         work.mkdir(parents=True, exist_ok=True)
+        args.s3_endpoint = (stack.enter_context(rgw(work)) if any(
+            n.endswith("+s3") for n in names) else "")
         if args.parallel:
             summary = run_parallel(names, args, model, work)
         else:
@@ -238,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "lmcache_client.md").write_text(text + "\n")
     print(text)
     for name, s in summary.items():
-        host = name.split("=", 1)[-1]
+        host = name.split("=", 1)[-1].removesuffix("+s3")
         if ideal and host in TARGETS:
             med, p90 = TARGETS[host]
             ok = s["median_ratio"] <= med and (p90 is None or s["p90_ratio"] <= p90)
