@@ -71,6 +71,10 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
       ``SHARED_CACHE_ENV`` instead when that is set.
     * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
       ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
+    * ``VLLM_CPU_OMP_THREADS_BIND``, only in a pytest-xdist worker (``xdist_cpus``): the
+      worker's own share of the CPUs, so two workers' engines compute on different
+      cores (by default every engine binds the first core). A caller's ``cpus`` or
+      ``extra_env`` still wins.
     """
     if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number >= 1, got {kv_cache_gib}")
@@ -81,7 +85,7 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
     tmp = root / "tmp"
     for d in (cache_root, rpc_path, tmp):
         d.mkdir(parents=True, exist_ok=True)
-    return {
+    env = {
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         "VLLM_CACHE_ROOT": str(cache_root),
@@ -89,6 +93,26 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
         "TMPDIR": str(tmp),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    cpus = xdist_cpus()
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    return env
+
+
+def xdist_cpus() -> str | None:
+    """In pytest-xdist worker ``gwI`` of ``N`` (``PYTEST_XDIST_WORKER`` /
+    ``PYTEST_XDIST_WORKER_COUNT``), its share of this process's CPUs, e.g. ``"1"``;
+    None outside xdist, with one worker, with fewer CPUs than workers, or when
+    ``VLLM_CPU_OMP_THREADS_BIND`` is already set in the environment."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if (not worker.startswith("gw") or count < 2 or len(cpus) < count
+            or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return None
+    per = len(cpus) // count
+    index = int(worker[2:]) % count
+    return ",".join(str(c) for c in cpus[index * per:(index + 1) * per])
 
 
 @dataclass(frozen=True)
