@@ -20,11 +20,13 @@ engine can serve many tests. Only run one engine at a time on a small machine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -68,7 +70,10 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
       more core, which changes the OpenMP thread count and therefore bf16 results.
     * ``VLLM_CACHE_ROOT`` / ``VLLM_RPC_BASE_PATH``: keep caches and IPC sockets under
       ``tmpdir`` (both directories are created); the cache is the shared one named by
-      ``SHARED_CACHE_ENV`` instead when that is set.
+      ``SHARED_CACHE_ENV`` instead when that is set. A socket's path must fit in 107
+      bytes (``sun_path``) and vLLM adds a 37-byte name: under a deep ``tmpdir`` (pytest
+      under xdist adds ``popen-gwN/``) the sockets go to a short directory of the
+      system's temporary one named after ``tmpdir`` instead (``rpc_dir``).
     * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
       ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
     * ``VLLM_CPU_OMP_THREADS_BIND``, only in a pytest-xdist worker (``xdist_cpus``): the
@@ -81,7 +86,7 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
     root = Path(tmpdir).absolute()
     shared = os.environ.get(SHARED_CACHE_ENV)
     cache_root = Path(shared) if shared else root / "vllm-cache"
-    rpc_path = root / "vllm-rpc"
+    rpc_path = rpc_dir(root)
     tmp = root / "tmp"
     for d in (cache_root, rpc_path, tmp):
         d.mkdir(parents=True, exist_ok=True)
@@ -97,6 +102,21 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
     if cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     return env
+
+
+#: The longest IPC socket directory: vLLM adds ``/<uuid4>`` (37 bytes), and the path
+#: must fit ``sockaddr_un.sun_path`` (107 bytes and a NUL).
+RPC_DIR_MAX = 107 - 37
+
+
+def rpc_dir(root: Path) -> Path:
+    """``root/vllm-rpc``, or where that is too long for a socket path, a directory of the
+    system's temporary one named after ``root`` (one per ``root``)."""
+    path = root / "vllm-rpc"
+    if len(os.fsencode(path)) <= RPC_DIR_MAX:
+        return path
+    digest = hashlib.sha1(os.fsencode(root)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"kvtier-rpc-{digest}"
 
 
 def xdist_cpus() -> str | None:
