@@ -61,9 +61,14 @@ typecheck: $(STAMPS)/venv
 # hash of vLLM's own source): each model architecture is inspected once, not once a run
 # (about 10 s each; kvtier/testing/engines.py). KVTIER_TEST_MODELS: the tiny test models,
 # kept too (a build is reused only while its spec hash matches; tests/conftest.py).
+# TEST_WORKERS: pytest-xdist workers, one test module at a time each (a module's engines
+# are shared by its tests); modules that start vLLM go first (tests/conftest.py), and in a
+# worker each engine computes on that worker's own cores (kvtier/testing/engines.py).
+TEST_WORKERS ?= 2
 unit: $(STAMPS)/venv native ceph
 	KVTIER_REQUIRE_CEPH=1 KVTIER_VLLM_CACHE_ROOT=$(CURDIR)/$(STAMPS)/vllm-cache \
-	  KVTIER_TEST_MODELS=$(CURDIR)/$(STAMPS)/test-models $(PY) -m pytest -q --durations=25
+	  KVTIER_TEST_MODELS=$(CURDIR)/$(STAMPS)/test-models $(PY) -m pytest -q --durations=25 \
+	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMPS)/venv native cuda-check lint typecheck unit
 

@@ -37,11 +37,24 @@ def pytest_configure(config: pytest.Config) -> None:
     """One vLLM cache for every engine of the session, benchmark subprocesses included
     (they inherit the environment): vLLM inspects a model class once, not once per engine
     start (``kvtier.testing.engines.SHARED_CACHE_ENV``); and a log of engine starts, which
-    the summary counts. Either variable set by the caller is kept."""
+    the summary counts. Either variable set by the caller is kept. Under pytest-xdist
+    the controller sets them before it starts the workers, which inherit them."""
     global _SESSION_DIR
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller set both
+        return
     _SESSION_DIR = Path(tempfile.mkdtemp(prefix="kvtier-session-"))
     os.environ.setdefault(SHARED_CACHE_ENV, str(_SESSION_DIR / "vllm-cache"))
     os.environ.setdefault(START_LOG_ENV, str(_SESSION_DIR / "engine-starts.log"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that start vLLM first, each module's tests together, otherwise in the
+    order collected. ``make test`` runs the suite on two workers, one module at a time
+    each (``-n 2 --dist loadfile --no-loadscope-reorder``): the long modules start first
+    and the many short ones fill the end, so neither worker idles while the other still
+    has an engine module to run."""
+    heavy = {item.path for item in items if item.get_closest_marker("vllm") is not None}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: collection order kept
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

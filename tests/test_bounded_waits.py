@@ -377,3 +377,44 @@ def test_re_offers_are_rate_limited_per_chunk(tmp_path: Path, clock: ManualClock
         assert sched.store.flush(10) and len(asked) == len(keys)
     finally:
         sched.close()
+
+
+def test_a_read_started_by_the_lookup_is_answered_in_the_same_step(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook waits for the read it has just started (``read_grace``), so a healthy
+    tier's chunks are restored without sitting out an engine step; a long grace here
+    makes that deterministic (the wait ends as soon as the read does)."""
+    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.READ_GRACE_S", 30.0)
+    sched, tier = _sched(tmp_path, clock)
+    try:
+        req = _request("r", 2)
+        _store_below(sched, tier, req, 3)
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * CT, False)
+    finally:
+        sched.close()
+
+
+def test_no_grace_while_storage_is_suspect_and_one_budget_per_step(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung tier costs the scheduler thread at most ``READ_GRACE_S`` per engine step
+    however many requests start reads in it, and nothing once a wait has run out."""
+    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.READ_GRACE_S", 0.05)
+    sched, tier = _sched(tmp_path, clock)
+    try:
+        reqs = [_request(f"r{i}", 10 + i) for i in range(3)]
+        for req in reqs:
+            _store_below(sched, tier, req, 3)
+        tier.hang.set()
+        assert sched.get_num_new_matched_tokens(reqs[0], 0) == (None, False)
+        assert sched._grace_left <= 0  # the step's grace went to the first read
+        assert sched.get_num_new_matched_tokens(reqs[1], 0) == (None, False)
+        assert sched._grace_left <= 0
+        sched.waits.missed(clock.monotonic())  # a wait ran out: storage is suspect
+        sched._step += 1  # a new engine step would have a fresh grace ...
+        assert sched.get_num_new_matched_tokens(reqs[2], 0) == (None, False)
+        assert sched._grace_left == pytest.approx(0.05)  # ... but none of it was spent
+    finally:
+        tier.gate.set()
+        sched.close()

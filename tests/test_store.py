@@ -538,3 +538,75 @@ def test_a_promotion_into_an_all_dirty_pool_writes_a_dirty_chunk_below_for_its_s
         assert store.lookup(dirty).hits == 4  # in the host or below: nothing lost
     finally:
         store.close()
+
+
+def _all_slots_held(store: TieredStore) -> Any:
+    """Fill the host pool with clean chunks and hold every one (other requests' staged
+    restores); the holds are returned."""
+    keys = [make_key(100 + i) for i in range(store.host.pool.num_slots)]
+    for key in keys:
+        assert store.put(meta_for(key), payload_for(key))
+    store.flush()
+    return store.load(store.lookup(keys)).result(timeout=30)
+
+
+def _waiting_for_a_slot(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a load's IO thread looks for a reservable slot (it is waiting for one)."""
+    asked = threading.Event()
+    real = store.host.index.reservable
+
+    def reservable() -> bool:
+        asked.set()
+        return real()
+
+    monkeypatch.setattr(store.host.index, "reservable", reservable)
+    return asked
+
+
+def test_a_promotion_into_an_all_held_pool_waits_for_a_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36: every host slot held by other requests' staged chunks (none dirty to
+    write below) is a wait of the next engine step or two, not the end of the restore:
+    the read waits for a slot (stage ``slot``) and gets its chunk once one is released.
+    Before, it ended the prefix there, and a streamed restore then failed whole."""
+    store = _store(tmp_path, 4, WritePolicy.THROUGH)
+    try:
+        holds = _all_slots_held(store)
+        wanted = make_key(7)
+        assert store.lower[0].tier.put(meta_for(wanted), payload_for(wanted).data) \
+            is PutStatus.STORED
+        asked = _waiting_for_a_slot(store, monkeypatch)
+        progress = LoadProgress()
+        fut = store.load(store.lookup_indexed([wanted]), SPEC, progress)
+        assert asked.wait(timeout=30), "the read never waited for a slot"
+        assert not fut.done()
+        holds.release()  # the other requests' chunks were copied: their slots come free
+        held = fut.result(timeout=30)
+        try:
+            assert len(held) == 1 and np.array_equal(held.view(0), payload_for(wanted))
+        finally:
+            held.release()
+        assert "slot" in progress.stages
+    finally:
+        store.close()
+
+
+def test_a_wait_for_a_slot_ends_when_the_load_is_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = _store(tmp_path, 4, WritePolicy.THROUGH)
+    try:
+        holds = _all_slots_held(store)
+        wanted = make_key(7)
+        store.lower[0].tier.put(meta_for(wanted), payload_for(wanted).data)
+        asked = _waiting_for_a_slot(store, monkeypatch)
+        progress = LoadProgress()
+        fut = store.load(store.lookup_indexed([wanted]), SPEC, progress)
+        assert asked.wait(timeout=30)
+        progress.cancel()  # the scheduler gave the restore up (its wait bound)
+        assert len(fut.result(timeout=30)) == 0
+        holds.release()
+        assert store.host.index.num_held() == 0
+    finally:
+        store.close()

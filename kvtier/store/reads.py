@@ -55,6 +55,13 @@ SETTLE_MAX_S = 30.0
 #: A promotion that finds every host slot held or dirty writes at most this many dirty
 #: chunks below itself to free one (``WriteBack._clean_one``) before it gives up.
 CLEAN_MAX = 4
+#: ... and, with none dirty either (every slot held: other requests' staged chunks and
+#: saves in flight, which the next engine step or two release), waits for one to come
+#: free, looking this often, for at most ``SLOT_WAIT_MAX_S`` or until its load is
+#: cancelled (the scheduler's wait bound). Before, the read ended there: a streamed
+#: restore then failed whole and the request recomputed what the tiers held.
+SLOT_POLL_S = 0.005
+SLOT_WAIT_MAX_S = 1.0
 #: A key no tier had is not asked again for this long (a burst of one new prefix).
 PROBE_MISS_TTL_S = 0.25
 PROBE_MISS_MAX = 4096
@@ -344,6 +351,7 @@ class Reads(WriteBack):
         t0 = time.perf_counter()
         r = self.host.reserve(key)
         cleaned = 0
+        slot_wait_ends: float | None = None
         while r is None:  # promoted (or being written) meanwhile by someone else
             got = self._hold_host(key, expect)
             if got is None and not self.host.index.pending(key):
@@ -352,6 +360,11 @@ class Reads(WriteBack):
                 if cleaned < CLEAN_MAX and not (progress and progress.cancelled) and \
                         self._clean_one(progress):
                     cleaned += 1
+                    r = self.host.reserve(key)
+                    continue
+                if slot_wait_ends is None:
+                    slot_wait_ends = time.perf_counter() + SLOT_WAIT_MAX_S
+                if self._await_slot(progress, slot_wait_ends):
                     r = self.host.reserve(key)
                     continue
                 record_drop("restore_no_slot")
@@ -387,6 +400,22 @@ class Reads(WriteBack):
             # verified hits only: what a restore really costs
             self.on_read(tier.name, got.meta.payload_len, time.perf_counter() - t0)
         return None if got is None else got._replace(tier=tier_index)
+
+    def _await_slot(self, progress: LoadProgress | None, ends: float) -> bool:
+        """IO threads only: wait until a host slot can be reserved (True), or until
+        ``ends`` (``perf_counter``) or the load is cancelled (False); a read nobody can
+        cancel (tools) does not wait. The time is the load's ``slot`` stage."""
+        if progress is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            while not self.host.index.reservable():
+                if progress.cancelled or time.perf_counter() >= ends:
+                    return False
+                time.sleep(SLOT_POLL_S)  # slots come free on other threads' steps
+            return True
+        finally:
+            progress.waited("slot", time.perf_counter() - t0)
 
     def _fill(self, slot: int, key: ChunkKey, tier: Tier, expect: ChunkSpec | None) -> bool:
         """Read ``key`` from ``tier`` into the WRITING ``slot``; commit it (clean, with the

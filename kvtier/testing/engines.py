@@ -20,11 +20,13 @@ engine can serve many tests. Only run one engine at a time on a small machine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -68,20 +70,27 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
       more core, which changes the OpenMP thread count and therefore bf16 results.
     * ``VLLM_CACHE_ROOT`` / ``VLLM_RPC_BASE_PATH``: keep caches and IPC sockets under
       ``tmpdir`` (both directories are created); the cache is the shared one named by
-      ``SHARED_CACHE_ENV`` instead when that is set.
+      ``SHARED_CACHE_ENV`` instead when that is set. A socket's path must fit in 107
+      bytes (``sun_path``) and vLLM adds a 37-byte name: under a deep ``tmpdir`` (pytest
+      under xdist adds ``popen-gwN/``) the sockets go to a short directory of the
+      system's temporary one named after ``tmpdir`` instead (``rpc_dir``).
     * ``TMPDIR``: vLLM names its torch.distributed rendezvous file after
       ``tempfile.gettempdir()`` and never removes it; keep it under ``tmpdir`` too.
+    * ``VLLM_CPU_OMP_THREADS_BIND``, only in a pytest-xdist worker (``xdist_cpus``): the
+      worker's own share of the CPUs, so two workers' engines compute on different
+      cores (by default every engine binds the first core). A caller's ``cpus`` or
+      ``extra_env`` still wins.
     """
     if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number >= 1, got {kv_cache_gib}")
     root = Path(tmpdir).absolute()
     shared = os.environ.get(SHARED_CACHE_ENV)
     cache_root = Path(shared) if shared else root / "vllm-cache"
-    rpc_path = root / "vllm-rpc"
+    rpc_path = rpc_dir(root)
     tmp = root / "tmp"
     for d in (cache_root, rpc_path, tmp):
         d.mkdir(parents=True, exist_ok=True)
-    return {
+    env = {
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         "VLLM_CACHE_ROOT": str(cache_root),
@@ -89,6 +98,41 @@ def engine_env(tmpdir: str | os.PathLike[str], kv_cache_gib: int = 1) -> dict[st
         "TMPDIR": str(tmp),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    cpus = xdist_cpus()
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    return env
+
+
+#: The longest IPC socket directory: vLLM adds ``/<uuid4>`` (37 bytes), and the path
+#: must fit ``sockaddr_un.sun_path`` (107 bytes and a NUL).
+RPC_DIR_MAX = 107 - 37
+
+
+def rpc_dir(root: Path) -> Path:
+    """``root/vllm-rpc``, or where that is too long for a socket path, a directory of the
+    system's temporary one named after ``root`` (one per ``root``)."""
+    path = root / "vllm-rpc"
+    if len(os.fsencode(path)) <= RPC_DIR_MAX:
+        return path
+    digest = hashlib.sha1(os.fsencode(root)).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"kvtier-rpc-{digest}"
+
+
+def xdist_cpus() -> str | None:
+    """In pytest-xdist worker ``gwI`` of ``N`` (``PYTEST_XDIST_WORKER`` /
+    ``PYTEST_XDIST_WORKER_COUNT``), its share of this process's CPUs, e.g. ``"1"``;
+    None outside xdist, with one worker, with fewer CPUs than workers, or when
+    ``VLLM_CPU_OMP_THREADS_BIND`` is already set in the environment."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if (not worker.startswith("gw") or count < 2 or len(cpus) < count
+            or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return None
+    per = len(cpus) // count
+    index = int(worker[2:]) % count
+    return ",".join(str(c) for c in cpus[index * per:(index + 1) * per])
 
 
 @dataclass(frozen=True)

@@ -337,6 +337,14 @@ class SlotIndex:
             self._dirty_order.pop(slot, None)
             self._dirty_order[slot] = s.dirty_since
 
+    def reservable(self) -> bool:
+        """Whether a ``reserve`` of a new key would find a slot now: one free, or a
+        clean, unheld chunk to evict. Scans the slots when none is free."""
+        with self._lock:
+            return bool(self._free) or any(
+                s.state is SlotState.READY and not s.dirty and s.holds == 0
+                for s in self._slots)
+
     def clean_or_free(self) -> int:
         """Slots a ``reserve`` could use without waiting for a spill."""
         with self._lock:

@@ -26,6 +26,14 @@ from kvtier.stepfit import StepModel
 FLOOR_S = 0.25
 
 
+#: Per engine step, the scheduler thread waits at most this long in all for the reads that
+#: its lookups start (``grace``). A read from a healthy local or shared directory takes
+#: a few milliseconds; without this wait the request sat out the whole engine step
+#: (seconds while others prefill) before it was asked again, and returns from the file
+#: tier trailed returns from the host pool by that step.
+READ_GRACE_S = 0.02
+
+
 #: After a wait ran out (a probe or load abandoned at its deadline), waits stay bounded
 #: by the recompute for this long after the last one; the storage is suspect.
 SUSPECT_S = 60.0
@@ -42,6 +50,21 @@ class WaitBound:
     def missed(self, now: float) -> None:
         """A wait ran out at ``now`` (the caller's clock): the storage is suspect."""
         self._missed_at = now
+
+    def suspect(self, now: float) -> bool:
+        """A wait ran out in the last ``suspect_s`` before ``now``."""
+        return self._missed_at is not None and now - self._missed_at <= self.suspect_s
+
+    def grace(self, start_tokens: int, end_tokens: int, left_s: float, now: float) -> float:
+        """How long the scheduler thread may wait, in the hook, for a read it just started
+        of tokens ``[start_tokens, end_tokens)`` (``read_grace``): ``left_s`` (what the
+        step has left of ``READ_GRACE_S``), no more than their measured recompute, and 0
+        while the storage is suspect."""
+        if left_s <= 0 or self.suspect(now):
+            return 0.0
+        if not self.steps.warm:
+            return left_s
+        return max(0.0, min(left_s, self.steps.recompute_seconds(start_tokens, end_tokens)))
 
     def seconds(self, configured_s: float, start_tokens: int, end_tokens: int,
                 now: float | None = None) -> float:

@@ -14,6 +14,8 @@ thread, in this order each step:
 * ``end_forward`` (``wait_for_save``): loads of layers no wait came for are completed.
 * ``get_finished``, ``load_errors``, ``worker_meta``: what is done, reported once.
 
+The saves in flight and their reports are ``WorkerSaves``' (``worker_saves.py``).
+
 Invariants: the layout comes from the attention backend's declaration
 (``kvtier.ops.layout_from_backend``), never from probing; the chunk size it implies must
 equal the scheduler's, or start-up fails. No work enqueued after ``end_forward`` (and no
@@ -35,20 +37,13 @@ from vllm.config import CUDAGraphMode
 
 from kvtier.config import KVTierConfig
 from kvtier.ops import CopyBackend, KVLayout, layout_from_backend, resolve_copy_backend
-from kvtier.ops.backend import BothHandles, CopyHandle
-from kvtier.ops.stepcopy import (
-    Batches,
-    Issue,
-    LayerLoads,
-    SaveFailed,
-    StepCopier,
-    default_issue,
-)
+from kvtier.ops.stepcopy import Batches, Issue, LayerLoads, StepCopier, default_issue
 from kvtier.tiers.base import TierError
 from kvtier.tiers.pool import HostPool
 from kvtier.vllm.geometry import Geometry
 from kvtier.vllm.protocol import CopyOp, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.shm import remove_pool, remove_published
+from kvtier.vllm.worker_saves import WorkerSaves, by_group
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -107,18 +102,7 @@ class WorkerSide:
         self._per_layer_broken = False  # a layer-wise step missed a wait: never again
         self._said_layer_wise = False
         self._copy_s = 0.0
-        # Saves: each request id is in at most one of these at a time, except _failed
-        # (a subset of _in_flight | _saved) and _finished (a subset of _in_flight).
-        self._in_flight: dict[str, CopyHandle] = {}  # copying; the last op's handle
-        self._saved: set[str] = set()  # copied (or failed), finished id not seen yet
-        self._finished: set[str] = set()  # finished id seen, still copying
-        self._failed: set[str] = set()  # failed, not reported yet
-        self._failed_saves: set[str] = set()  # failed, reported this step
-        # Streamed saves (``KVTierMetadata.saves_acked`` / ``saves_more``): per step, the
-        # handles of its acknowledged saves and whether one failed, until reported
-        self._acked: dict[int, tuple[list[CopyHandle], bool]] = {}
-        self._streaming: set[str] = set()  # ever in ``saves_more``, not reported finished
-        self._saves_more: set[str] = set()  # this step's ``saves_more``
+        self.saves = WorkerSaves(self._copier_of)
 
     def register(
         self,
@@ -211,12 +195,6 @@ class WorkerSide:
         assert self._copiers, "register() first"
         return self._copiers[0]
 
-    def _by_group(self, ops: list[CopyOp]) -> dict[int, list[CopyOp]]:
-        out: dict[int, list[CopyOp]] = {}
-        for op in ops:
-            out.setdefault(op.group, []).append(op)
-        return out
-
     # -- per step: vLLM's model thread ------------------------------------------------
     def run(self, meta: KVTierMetadata, *, layer_by_layer: bool) -> None:
         """``start_load_kv``: issue this step's loads and saves; returns without waiting.
@@ -251,9 +229,8 @@ class WorkerSide:
                 self._said_layer_wise = True
                 log.info("kvtier worker: loads are waited for layer by layer (issue %s, %d "
                          "layers)", self.copier.issue, len(self.layer_names))
-        self._saves_more = set(meta.saves_more)
-        self._streaming |= self._saves_more
-        self._start_saves(meta.saves, meta.step, set(meta.saves_acked))
+        self.saves.start(meta.saves, meta.step, set(meta.saves_acked), set(meta.saves_more),
+                         copies=not (self.geom.replicated and self.tp_rank != 0))
         self._copy_s += time.perf_counter() - t0
 
     def _start_loads(self, step: int, ops: list[CopyOp], *,
@@ -265,7 +242,7 @@ class WorkerSide:
         would be; the step is acknowledged anyway (this rank reads none of those slots,
         and the ack counts every rank)."""
         started: dict[int, LayerLoads] = {}
-        for group, group_ops in self._by_group(ops).items():
+        for group, group_ops in by_group(ops).items():
             try:
                 loads = self._copier_of(group).start_loads(group_ops)
             except TierError:
@@ -337,45 +314,6 @@ class WorkerSide:
         self._copy_s = 0.0
         return seconds
 
-    def _start_saves(self, ops: list[CopyOp], step: int = 0,
-                     acked: set[str] | frozenset[str] = frozenset()) -> None:
-        """Issue ``ops``; the handles of those of ``acked`` requests are also kept under
-        ``step`` until ``worker_meta`` reports the step saved (or failed)."""
-        ack_ops = [op for op in ops if op.req_id in acked]
-        if ack_ops:
-            self._acked[step] = ([], False)
-        if self.geom.replicated and self.tp_rank != 0:
-            self._saved.update(op.req_id for op in ops)  # rank 0 writes the one copy
-            return
-        results: dict[int, CopyHandle | SaveFailed] = {}
-        for group, group_ops in self._by_group(ops).items():
-            try:
-                copier = self._copier_of(group)
-                for op, result in zip(group_ops, copier.start_saves(group_ops), strict=True):
-                    results[id(op)] = result
-            except TierError as e:
-                results.update((id(op), SaveFailed(e)) for op in group_ops)
-        for op in ops:  # in the scheduler's order: a request's last op's handle last
-            result = results[id(op)]
-            if op.req_id in acked:
-                handles, _ = self._acked[step]
-                if isinstance(result, SaveFailed):
-                    self._acked[step] = (handles, True)
-                else:
-                    handles.append(result)
-            if isinstance(result, SaveFailed):
-                if op.req_id not in self._failed:
-                    log.error("kvtier: save of %s failed; not stored: %s", op.req_id,
-                              result.error)
-                self._failed.add(op.req_id)
-                self._saved.add(op.req_id)  # reported once the copies issued before are done
-            else:
-                # covers its earlier ops on this group; with several groups (one batch
-                # each) the request waits for every handle it was given
-                prev = self._in_flight.get(op.req_id)
-                self._in_flight[op.req_id] = (result if prev is None or prev is result
-                                              else BothHandles(prev, result))
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks vLLM may free now (finished, and their saves complete),
         and requests whose asynchronous loads are complete (received, or failed: those
@@ -391,21 +329,7 @@ class WorkerSide:
         free to go), in the same step as its id in ``worker_meta().failed_saves``, so the
         scheduler aborts it. State held: only saves and loads not yet reported.
         """
-        self._finished |= finished_req_ids & (self._in_flight.keys() | self._streaming)
-        for rid, handle in list(self._in_flight.items()):
-            if handle.done():
-                del self._in_flight[rid]
-                self._saved.add(rid)
-        # a streamed save is finished once its last copies came (not in ``saves_more``)
-        # and are done, whether or not its last steps carried any
-        ended = self._streaming - self._saves_more
-        ready = ((self._saved | ended) - self._saves_more) & (
-            (finished_req_ids | self._finished) - self._in_flight.keys())
-        self._streaming -= ready
-        self._saved -= ready
-        self._finished -= ready
-        self._failed_saves |= ready & self._failed
-        self._failed -= ready
+        ready = self.saves.finished(finished_req_ids)
         # a streamed request is reported once its last loads came (not in ``more``)
         received = {rid for rid, loads in self._recving.items()
                     if rid not in self._more and all(ld.done() for ld, _ in loads)}
@@ -442,27 +366,17 @@ class WorkerSide:
             self._loading = [(s, ld) for s, ld in self._loading if s in pending]
             self._failed_steps -= set(loaded)
         step, self._ran_step = self._ran_step, 0
-        saved: list[int] = []
-        failed: list[int] = []
-        for s, (handles, bad) in list(self._acked.items()):
-            if all(h.done() for h in handles):
-                del self._acked[s]
-                (failed if bad else saved).append(s)
-        if not loaded and not self._failed_saves and not step and not saved and not failed:
+        saved, failed = self.saves.steps()
+        failed_saves = self.saves.take_failed()
+        if not loaded and not failed_saves and not step and not saved and not failed:
             return None
-        meta = KVTierWorkerMetadata(loaded, sorted(self._failed_saves), step,
-                                    sorted(saved), sorted(failed))
-        self._failed_saves = set()
-        return meta
+        return KVTierWorkerMetadata(loaded, failed_saves, step, saved, failed)
 
     def held(self) -> dict[str, int]:
         """How much per-request and per-step state is held (tests, debugging)."""
-        return {"saves_in_flight": len(self._in_flight), "saves_unreported": len(self._saved),
-                "finished_waiting": len(self._finished), "failed_unreported": len(self._failed),
+        return {**self.saves.held(),
                 "loads_copying": len(self._loading) + (self._loads is not None),
-                "loads_unreported": len(self._recving),
-                "save_steps_unreported": len(self._acked), "saves_streaming": len(self._streaming),
-                "load_errors": len(self._load_errors)}
+                "loads_unreported": len(self._recving), "load_errors": len(self._load_errors)}
 
     def close(self) -> None:
         """Remove the shared pool's name, only if this worker created it (a worker whose

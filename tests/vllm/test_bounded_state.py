@@ -106,7 +106,8 @@ def test_worker_side_forgets_finished_requests_without_saves() -> None:
     w = WorkerSide(CFG, GEOM, ["layer.0"], None)
     for i in range(5000):
         assert w.get_finished({f"req-{i}"}) == (None, None)
-    w._saved.add("with-save")
+    w.saves._saved.add("with-save")
     assert w.get_finished({"with-save", "other"}) == ({"with-save"}, None)
-    assert not w._saved
+    assert not w.saves._saved
     assert not any(isinstance(v, set) and v for v in vars(w).values())
+    assert not any(isinstance(v, set | dict) and v for v in vars(w.saves).values())

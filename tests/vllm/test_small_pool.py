@@ -192,3 +192,42 @@ def test_a_save_that_never_finds_a_slot_is_still_reported_finished(
         assert not sched._save_streams and not sched.has_pending_saves()
     finally:
         sched.close()
+
+
+def test_save_streams_leave_the_staging_caps_share_of_the_pool_to_restores(
+        tmp_path: Path, export: m.StatsBatch) -> None:
+    """Four first turns longer than a 5-slot pool finish together: their save streams
+    together never hold more uncommitted slots than the pool less the staging cap (2),
+    so a returning request always finds room to restore through; and every chunk is
+    still saved. (Here the write-back's pacing frees at most three slots a step, so the
+    bound is reached, not forced; the bound is what holds whatever the pacing.)"""
+    sched = small_pool_sched(tmp_path, GEOM, NS, CT, 5)
+    try:
+        rng = random.Random(2)
+        outs = {f"s{u}": [rng.randrange(3, 500) for _ in range(HISTORY)] for u in range(4)}
+        for rid, out in outs.items():
+            sched.request_finished(request_record(rid, out), list(range(-(-len(out) // BS))))
+        peak = 0
+        whole = set(outs) - set(sched._save_streams)  # found its slots: copied in a step
+        assert len(whole) == 1 and len(sched._save_streams) == 3
+        sent = whole
+        for _ in range(200):
+            meta = sched.build_meta()
+            peak = max(peak, sum(op.req_id in meta.saves_acked for op in meta.saves
+                                 if op.req_id in sched._save_streams))
+            acked = any(op.req_id in meta.saves_acked for op in meta.saves)
+            sched.on_worker_output(sent, KVTierWorkerMetadata(
+                step=meta.step, saved_steps=[meta.step] if acked else []))
+            sent = set()
+            if not sched._save_streams:
+                break
+            assert sched.store.flush(10.0)
+        _step(sched, set(outs) - whole)
+        assert 0 < peak <= sched._save_room == 3, peak
+        assert sched.store.flush(10.0)
+        for rid, out in outs.items():
+            keys = sched.chunk_keys(request_record(rid, out))
+            assert sched.store.lookup(keys).hits == (len(out) - 1) // CT, rid
+        assert export.drain().get(m.DROPS.name, {}).get("host_full", 0) == 0
+    finally:
+        sched.close()

@@ -1,13 +1,18 @@
 """The lookup: ``get_num_new_matched_tokens``, what vLLM may be told of a returning
 request's stored prefix. It starts the staging (``starts.py``) and answers None ("ask
 again") until the staged chunks are held in host memory or the read is given up (then
-0: vLLM recomputes). Scheduler thread; never waits on storage.
+0: vLLM recomputes). Scheduler thread. It never touches storage; it waits for a read it
+has just started only briefly (``_read_grace``: at most ``READ_GRACE_S`` per engine step
+in all, never longer than the recompute, not at all while storage is suspect), so a
+read that a healthy tier finishes in milliseconds is answered in the same step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from kvtier.metrics import (
@@ -20,12 +25,30 @@ from kvtier.vllm.scheduler.records import (
     _Staging,
 )
 from kvtier.vllm.scheduler.starts import ShapeStarts
+from kvtier.vllm.waitbound import READ_GRACE_S
 
 log = logging.getLogger("kvtier.vllm")
 
 
 class Lookups(ShapeStarts):
     """The lookup hook (``get_num_new_matched_tokens``)."""
+
+    _grace_step = -1  # the engine step ``_grace_left`` is for
+    _grace_left = 0.0  # seconds of ``READ_GRACE_S`` that step has left
+
+    def _read_grace(self, future: Future[Any], start_tokens: int, end_tokens: int) -> None:
+        """Wait for a read just started, briefly (``WaitBound.grace``): without it the
+        request is asked again only in the next engine step, however soon the read
+        ends. The waits of one step share ``READ_GRACE_S``. Scheduler thread."""
+        if self._grace_step != self._step:
+            self._grace_step, self._grace_left = self._step, READ_GRACE_S
+        budget = self.waits.grace(start_tokens, end_tokens, self._grace_left,
+                                  self.clock.monotonic())
+        if budget <= 0:
+            return
+        t0 = time.perf_counter()
+        wait_futures([future], timeout=budget)
+        self._grace_left -= time.perf_counter() - t0
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed: int
@@ -62,6 +85,9 @@ class Lookups(ShapeStarts):
                 return started
             lk = started
             self._lookups[rid] = lk
+            if lk.future is not None and not lk.future.done():
+                self._read_grace(lk.future, lk.first_chunk * self.ct,
+                                 (lk.first_chunk + max(1, lk.chunks)) * self.ct)
         if lk.future is not None:
             if not lk.future.done():
                 # the wait never outlasts the recompute of what it restores (waitbound)

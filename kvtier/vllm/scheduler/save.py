@@ -155,12 +155,20 @@ class Saves(RequestKeys):
 
     def _advance_save_streams(self) -> None:
         """Give the streams' waiting pieces the host slots that came free, in chain order,
-        at most ``_stream_window`` uncommitted per stream; end a stream whose next piece
-        waited past its bound (the rest is not saved). Memory only."""
+        at most ``_stream_window`` uncommitted per stream and ``_save_room`` over all
+        streams (a returning request's restore needs slots too: the staging cap's share
+        of the pool is left to restores); end a stream whose next piece waited past its
+        bound (the rest is not saved). Memory only."""
         now = self.clock.monotonic()
+
+        def uncommitted(st: _SaveStream) -> int:
+            return len(st.issued) + sum(len(v) for v in st.by_step.values())
+
+        room = self._save_room - sum(uncommitted(st) for st in self._save_streams.values())
         for rid, st in list(self._save_streams.items()):
-            in_flight = len(st.issued) + sum(len(v) for v in st.by_step.values())
-            while st.pending and not st.failed and in_flight < self._stream_window:
+            in_flight = uncommitted(st)
+            while st.pending and not st.failed and in_flight < self._stream_window \
+                    and room > 0:
                 piece = st.pending[0]
                 slot = self.store.reserve(piece.key)
                 if slot is None:
@@ -179,11 +187,12 @@ class Saves(RequestKeys):
                 st.since = now
                 st.issued.append((slot, piece.meta))
                 in_flight += 1
+                room -= 1
                 self._to_save.append(CopyOp(rid, slot, piece.block_ids, 0, piece.span,
                                             piece.group))
                 record_spill(piece.meta.payload_len, 0)
-            if st.pending and in_flight >= self._stream_window:
-                st.since = now  # waiting for its own copies, not for the pool
+            if st.pending and (in_flight >= self._stream_window or room <= 0):
+                st.since = now  # waiting for copies in flight, not for the pool
             if st.done():
                 del self._save_streams[rid]
 

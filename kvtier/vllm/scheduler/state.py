@@ -127,6 +127,9 @@ class SchedulerState:
         #: a restore of more entries than the staging cap is streamed through this many
         #: host slots (``stream.py``)
         self._stream_window = max(1, min(STREAM_WINDOW_MAX, self._staged_cap))
+        #: save streams together hold at most this many uncommitted slots: the rest of
+        #: the pool stays for restores (the staging cap) and for written chunks
+        self._save_room = max(1, self.store.host.pool.num_slots - self._staged_cap)
         self._streams: dict[str, StreamedLoad] = {}  # req -> its streamed restore
         self._async_reqs: list[str] = []  # streamed requests with loads this step
         #: a load that read no chunk for this long is abandoned (the request recomputes)
