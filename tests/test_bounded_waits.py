@@ -385,7 +385,7 @@ def test_a_read_started_by_the_lookup_is_answered_in_the_same_step(
     """The hook waits for the read it has just started (``read_grace``), so a healthy
     tier's chunks are restored without sitting out an engine step; a long grace here
     makes that deterministic (the wait ends as soon as the read does)."""
-    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.step_grace", lambda typical: 30.0)
+    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.READ_GRACE_S", 30.0)
     sched, tier = _sched(tmp_path, clock)
     try:
         req = _request("r", 2)
@@ -398,9 +398,9 @@ def test_a_read_started_by_the_lookup_is_answered_in_the_same_step(
 def test_no_grace_while_storage_is_suspect_and_one_budget_per_step(
     tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A hung tier costs the scheduler thread at most its ``step_grace`` per engine step
+    """A hung tier costs the scheduler thread at most ``READ_GRACE_S`` per engine step
     however many requests start reads in it, and nothing once a wait has run out."""
-    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.step_grace", lambda typical: 0.05)
+    monkeypatch.setattr("kvtier.vllm.scheduler.lookup.READ_GRACE_S", 0.05)
     sched, tier = _sched(tmp_path, clock)
     try:
         reqs = [_request(f"r{i}", 10 + i) for i in range(3)]

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.clock import ManualClock
 from kvtier.stepfit import StepModel
-from kvtier.vllm.waitbound import FLOOR_S, READ_GRACE_S, WaitBound, step_grace
+from kvtier.vllm.waitbound import FLOOR_S, WaitBound
 from tests.test_bounded_waits import _request, _sched, _store_below
 
 PER_TOKEN_S = 2e-4  # a tiny model: 3 chunks of 128 tokens recompute in ~0.08 s
@@ -91,12 +91,3 @@ def test_a_stuck_load_waits_no_longer_than_the_recompute(
     finally:
         tier.gate.set()
         sched.close()
-
-
-def test_a_steps_read_grace_is_half_a_typical_step_within_its_bounds() -> None:
-    """Sitting a step out costs the request that step; waiting costs the step's other
-    requests the wait: the grace is half a typical step, 20 ms to 250 ms."""
-    assert step_grace(None) == READ_GRACE_S == 0.02  # unmeasured
-    assert step_grace(0.01) == 0.02  # decode-only steps: the floor
-    assert step_grace(0.2) == pytest.approx(0.1)
-    assert step_grace(5.0) == 0.25  # others prefilling: the ceiling

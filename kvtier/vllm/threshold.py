@@ -72,10 +72,6 @@ class _Step:
     loaded_bytes: int
 
 
-#: Weight of the newest step in ``StepTimer.typical_s``.
-TYPICAL_ALPHA = 0.2
-
-
 class StepTimer:
     """Times engine steps for the cost model: from a step's metadata to its output."""
 
@@ -86,8 +82,6 @@ class StepTimer:
         self.block_bytes = block_bytes  # one vLLM block of every layer
         self._steps: deque[_Step] = deque()
         self._last_done = 0.0
-        #: a typical timed step's seconds (moving average; None until one is timed)
-        self.typical_s: float | None = None
 
     def built(self, step: int, so: Any, loads: Sequence[CopyOp]) -> None:
         """Step ``step`` was scheduled (``so``: vLLM's ``SchedulerOutput``); ``loads`` are
@@ -122,6 +116,4 @@ class StepTimer:
         done = self._steps.popleft()
         seconds = now - max(done.t_built, self._last_done)  # async scheduling: it queued
         self._last_done = now
-        self.typical_s = seconds if self.typical_s is None else (
-            self.typical_s + TYPICAL_ALPHA * (seconds - self.typical_s))
         self.model.observe_step(done.requests, seconds, loaded_bytes=done.loaded_bytes)

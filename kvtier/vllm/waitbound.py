@@ -26,26 +26,12 @@ from kvtier.stepfit import StepModel
 FLOOR_S = 0.25
 
 
-#: Per engine step, the scheduler thread waits for the reads its lookups start
-#: (``grace``) at least this long in all, ...
+#: Per engine step, the scheduler thread waits at most this long in all for the reads that
+#: its lookups start (``grace``). A read from a healthy local or shared directory takes
+#: a few milliseconds; without this wait the request sat out the whole engine step
+#: (seconds while others prefill) before it was asked again, and returns from the file
+#: tier trailed returns from the host pool by that step.
 READ_GRACE_S = 0.02
-#: ... up to this fraction of a typical engine step (what sitting the step out would cost
-#: the request; the step's other requests wait for the grace instead, so they pay at
-#: most this fraction), ...
-READ_GRACE_FRACTION = 0.5
-#: ... and never more than this. A read from a healthy local or shared directory takes a
-#: few milliseconds and a few chunks from S3 tens; without this wait the request sat out
-#: the whole engine step (seconds while others prefill) before it was asked again, and
-#: returns from a lower tier trailed returns from the host pool by that step.
-READ_GRACE_MAX_S = 0.25
-
-
-def step_grace(typical_step_s: float | None) -> float:
-    """One engine step's grace for reads (``READ_GRACE_FRACTION`` of a typical step,
-    within ``[READ_GRACE_S, READ_GRACE_MAX_S]``; ``READ_GRACE_S`` while unmeasured)."""
-    if typical_step_s is None:
-        return READ_GRACE_S
-    return max(READ_GRACE_S, min(READ_GRACE_MAX_S, READ_GRACE_FRACTION * typical_step_s))
 
 
 #: After a wait ran out (a probe or load abandoned at its deadline), waits stay bounded
@@ -72,7 +58,7 @@ class WaitBound:
     def grace(self, start_tokens: int, end_tokens: int, left_s: float, now: float) -> float:
         """How long the scheduler thread may wait, in the hook, for a read it just started
         of tokens ``[start_tokens, end_tokens)`` (``read_grace``): ``left_s`` (what the
-        step has left of its ``step_grace``), no more than their measured recompute, and 0
+        step has left of ``READ_GRACE_S``), no more than their measured recompute, and 0
         while the storage is suspect."""
         if left_s <= 0 or self.suspect(now):
             return 0.0

@@ -10,8 +10,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
 from kvtier.vllm.protocol import CopyOp, KVTierWorkerMetadata
 from kvtier.vllm.threshold import MAX_STEPS_IN_FLIGHT, StepTimer
 
@@ -88,21 +86,3 @@ def test_tp_ranks_report_the_same_step_and_aggregate_keeps_it() -> None:
     agg = a.aggregate(b)
     assert isinstance(agg, KVTierWorkerMetadata)
     assert agg.step == 7
-
-
-def test_a_typical_step_follows_the_timed_steps() -> None:
-    """``typical_s`` (the read grace's measure of what sitting a step out costs): None
-    until a step is timed, then a moving average of timed steps only."""
-    timer, _, clock = _timer()
-    assert timer.typical_s is None
-    timer.built(1, _so(64), [])
-    clock.t += 1.0
-    timer.done(1)
-    assert timer.typical_s == 1.0
-    timer.built(2, _so(0), [])  # not timed: does not count
-    clock.t += 9.0
-    timer.done(2)
-    timer.built(3, _so(64), [])
-    clock.t += 2.0
-    timer.done(3)
-    assert timer.typical_s == pytest.approx(1.2)

@@ -2,9 +2,8 @@
 request's stored prefix. It starts the staging (``starts.py``) and answers None ("ask
 again") until the staged chunks are held in host memory or the read is given up (then
 0: vLLM recomputes). Scheduler thread. It never touches storage; it waits for a read it
-has just started only briefly (``_read_grace``: at most half a typical engine step, 20 to
-250 ms, per step in all, never longer than the recompute, not at all while storage is
-suspect), so a
+has just started only briefly (``_read_grace``: at most ``READ_GRACE_S`` per engine step
+in all, never longer than the recompute, not at all while storage is suspect), so a
 read that a healthy tier finishes in milliseconds is answered in the same step.
 """
 
@@ -26,7 +25,7 @@ from kvtier.vllm.scheduler.records import (
     _Staging,
 )
 from kvtier.vllm.scheduler.starts import ShapeStarts
-from kvtier.vllm.waitbound import step_grace
+from kvtier.vllm.waitbound import READ_GRACE_S
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -35,15 +34,14 @@ class Lookups(ShapeStarts):
     """The lookup hook (``get_num_new_matched_tokens``)."""
 
     _grace_step = -1  # the engine step ``_grace_left`` is for
-    _grace_left = 0.0  # seconds of its ``step_grace`` that step has left
+    _grace_left = 0.0  # seconds of ``READ_GRACE_S`` that step has left
 
     def _read_grace(self, future: Future[Any], start_tokens: int, end_tokens: int) -> None:
         """Wait for a read just started, briefly (``WaitBound.grace``): without it the
         request is asked again only in the next engine step, however soon the read
-        ends. The waits of one step share its ``step_grace``. Scheduler thread."""
+        ends. The waits of one step share ``READ_GRACE_S``. Scheduler thread."""
         if self._grace_step != self._step:
-            typical = self.step_timer.typical_s if self.step_timer is not None else None
-            self._grace_step, self._grace_left = self._step, step_grace(typical)
+            self._grace_step, self._grace_left = self._step, READ_GRACE_S
         budget = self.waits.grace(start_tokens, end_tokens, self._grace_left,
                                   self.clock.monotonic())
         if budget <= 0:
