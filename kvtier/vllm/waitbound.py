@@ -76,8 +76,7 @@ class WaitBound:
         wait on a tier that stops answering pays the configured deadline once."""
         if not self.steps.warm:
             return configured_s
-        if now is not None and (self._missed_at is None
-                                or now - self._missed_at > self.suspect_s):
+        if now is not None and not self.suspect(now):
             return configured_s
         recompute = self.steps.recompute_seconds(start_tokens, end_tokens)
         return min(configured_s, max(self.floor_s, recompute))

@@ -33,8 +33,11 @@ log = logging.getLogger("kvtier.vllm")
 class Lookups(ShapeStarts):
     """The lookup hook (``get_num_new_matched_tokens``)."""
 
-    _grace_step = -1  # the engine step ``_grace_left`` is for
-    _grace_left = 0.0  # seconds of ``READ_GRACE_S`` that step has left
+    def _at_stake(self, lk: _Staging) -> tuple[int, int]:
+        """The tokens ``[start, end)`` a staging restores: what waiting for its read may
+        save (``waitbound``)."""
+        return lk.first_chunk * self.ct, lk.end or (
+            (lk.first_chunk + max(1, lk.full)) * self.ct + lk.tail_blocks * self.bs)
 
     def _read_grace(self, future: Future[Any], start_tokens: int, end_tokens: int) -> None:
         """Wait for a read just started, briefly (``WaitBound.grace``): without it the
@@ -86,17 +89,14 @@ class Lookups(ShapeStarts):
             lk = started
             self._lookups[rid] = lk
             if lk.future is not None and not lk.future.done():
-                self._read_grace(lk.future, lk.first_chunk * self.ct,
-                                 (lk.first_chunk + max(1, lk.chunks)) * self.ct)
+                self._read_grace(lk.future, *self._at_stake(lk))
         if lk.future is not None:
             if not lk.future.done():
                 # the wait never outlasts the recompute of what it restores (waitbound)
                 # (a P/D decode restoring what its prefill node announced keeps the
                 # configured allowance: that restore is the point of the hand-off)
                 stall_s = self.load_stall_s if _request_params(request).get("expect") \
-                    else self.waits.seconds(self.load_stall_s, lk.first_chunk * self.ct,
-                                            lk.end or (lk.first_chunk + max(1, lk.full))
-                                            * self.ct + lk.tail_blocks * self.bs,
+                    else self.waits.seconds(self.load_stall_s, *self._at_stake(lk),
                                             self.clock.monotonic())
                 if lk.progress is None or lk.progress.idle_for() < stall_s:
                     return None, False

@@ -193,6 +193,10 @@ class _SaveStream:
     #: whether or not any copy of it was issued
     told: bool = False
 
+    def uncommitted(self) -> int:
+        """Slots given out and not yet committed or aborted (issued or awaiting an ack)."""
+        return len(self.issued) + sum(len(v) for v in self.by_step.values())
+
     def done(self) -> bool:
         """Nothing left to give a slot, copy or acknowledge, and the worker was told."""
         return self.told and not (self.pending or self.issued or self.by_step)

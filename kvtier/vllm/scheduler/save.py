@@ -160,13 +160,9 @@ class Saves(RequestKeys):
         of the pool is left to restores); end a stream whose next piece waited past its
         bound (the rest is not saved). Memory only."""
         now = self.clock.monotonic()
-
-        def uncommitted(st: _SaveStream) -> int:
-            return len(st.issued) + sum(len(v) for v in st.by_step.values())
-
-        room = self._save_room - sum(uncommitted(st) for st in self._save_streams.values())
+        room = self._save_room - sum(st.uncommitted() for st in self._save_streams.values())
         for rid, st in list(self._save_streams.items()):
-            in_flight = uncommitted(st)
+            in_flight = st.uncommitted()
             while st.pending and not st.failed and in_flight < self._stream_window \
                     and room > 0:
                 piece = st.pending[0]

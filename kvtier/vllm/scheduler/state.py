@@ -122,6 +122,10 @@ class SchedulerState:
         self._capped: dict[str, float] = {}
         #: req -> when (``clock``) the staging cap first refused it: its wait's deadline
         self._cap_since: dict[str, float] = {}
+        #: the engine step ``_grace_left`` is for, and the seconds of ``READ_GRACE_S``
+        #: that step has left for the lookups' reads (``Lookups._read_grace``)
+        self._grace_step = -1
+        self._grace_left = 0.0
         self.lookup_timeout_s = cfg.restore.lookup_timeout_seconds
         self._staged_cap = max(1, int(self.store.host.pool.num_slots * STAGED_FRACTION))
         #: a restore of more entries than the staging cap is streamed through this many
