@@ -246,6 +246,12 @@ class LayerLoads:
                 self._fail(k, None)
         self._handles = [self._batch.mark()] * c.num_layers
 
+    def issue_all(self) -> None:
+        """Issues every layer not issued yet, and orders nothing after them: an
+        asynchronous load, whose blocks no forward reads until ``done()`` (the compute
+        stream must not wait for it: the step's logits and sampling would)."""
+        self.issue_through(self._copier.num_layers - 1)
+
     def wait_layer(self, layer: int) -> None:
         """Layer ``layer``'s blocks are loaded before any work enqueued after this."""
         if self._batch is None:

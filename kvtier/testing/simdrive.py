@@ -28,11 +28,25 @@ from kvtier.testing.sim import SHAPES, SimWorld, Violation
 DRAIN_STEPS = 600
 
 
+#: A request vLLM still holds this many steps after it finished or was aborted is
+#: leaked (its blocks held for the engine's life); one that made no progress for
+#: ``STALL_STEPS`` while unfinished is stalled. Both exceed every kvtier bound the
+#: workload configures (a load stall of 0.2 s is 10 steps; a hang lasts at most 40).
+LEAK_STEPS = 150
+STALL_STEPS = 300
+
+#: vLLM's two schedulers: ``Scheduler`` (synchronous; the CPU platform's) and
+#: ``AsyncScheduler`` (vLLM 0.32's default on GPUs: the next step is scheduled before the
+#: last one's output is processed). Every seed runs on both.
+SCHEDULERS = ("sync", "async")
+
+
 @dataclass
 class SimReport:
     seed: int
     shape: str
     tp: int
+    scheduler: str = "sync"
     steps: int = 0
     requests: int = 0
     blocks_checked: int = 0
@@ -40,6 +54,9 @@ class SimReport:
     restores: int = 0
     aborts: int = 0
     faults: int = 0
+    copy_faults: int = 0
+    write_faults: int = 0
+    outputs_checked: int = 0
     preemptions: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -62,9 +79,12 @@ def kvtier_doc(root: Path, *, chunk_tokens: int = 64, host: str = "96KiB",
 
 
 def run_seed(root: Path, seed: int, shape: str = "full", *, tp: int = 1,
-             arrivals: int = 40, faults: bool = True) -> SimReport:
-    """Play the workload of ``seed`` on ``shape`` at ``tp`` ranks; ``Violation`` on any
-    broken invariant (its message starts with the seed, shape and TP size)."""
+             arrivals: int = 40, faults: bool = True, scheduler: str = "sync") -> SimReport:
+    """Play the workload of ``seed`` on ``shape`` at ``tp`` ranks under vLLM's
+    ``scheduler`` (``SCHEDULERS``); ``Violation`` on any broken invariant (its message
+    starts with the seed, shape, TP size and scheduler)."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, not {scheduler!r}")
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     groups = len(SHAPES[shape].groups)
@@ -75,19 +95,26 @@ def run_seed(root: Path, seed: int, shape: str = "full", *, tp: int = 1,
     world = SimWorld(root, SHAPES[shape], doc,
                      tp=tp, num_blocks=blocks * groups,
                      max_num_seqs=rng.choice([4, 8]),
-                     max_batched_tokens=rng.choice([128, 256]))
-    report = SimReport(seed, shape, tp)
+                     max_batched_tokens=rng.choice([128, 256]),
+                     async_scheduling=scheduler == "async", tp_skew=True, seed=seed)
+    report = SimReport(seed, shape, tp, scheduler)
+    where = f"seed {seed} shape {shape} tp {tp} {scheduler}"
     try:
+        if faults and rng.random() < 0.5:  # worker copies and lower-tier writes fail
+            world.fail_copies(rng.choice([0.01, 0.03]))
+            world.fail_writes(rng.choice([0.05, 0.2]))
         _play(world, rng, report, arrivals, faults, max_len=blocks * world.bs * 2 // 3)
+        report.outputs_checked = world.check_outputs()
+        report.copy_faults, report.write_faults = world.copy_faults, world.write_faults
         report.steps = world.steps
         report.preemptions = world.preemptions
         report.restored_tokens = sum(world.restored.values())
         report.restores = len(world.restored)
         return report
     except Violation as e:
-        raise Violation(f"seed {seed} shape {shape} tp {tp}: {e}") from e
+        raise Violation(f"{where}: {e}") from e
     except Exception as e:  # vLLM raised or asserted: the engine would be dead
-        raise Violation(f"seed {seed} shape {shape} tp {tp}: step {world.steps} raised "
+        raise Violation(f"{where}: step {world.steps} raised "
                         f"{type(e).__name__}: {e}") from e
     finally:
         world.close()
@@ -105,6 +132,9 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
     n = 0
     hung_until = 0  # the step the lower tiers answer again (0: they answer)
 
+    progress: dict[str, tuple[Any, int]] = {}  # rid -> (what it had done, since when)
+    ended: dict[str, int] = {}  # rid -> the step it finished or was aborted
+
     def step(k: int) -> None:
         for _ in range(k):
             world.step()
@@ -113,7 +143,9 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
             for rid in list(live):
                 if rid in world.finished:
                     prompt = live.pop(rid)
+                    ended[rid] = world.steps
                     histories.append(prompt + world.outputs.get(rid, []))
+            check_progress(world, live, ended, progress)
 
     for _ in range(arrivals):
         if hung_until and world.steps >= hung_until:
@@ -148,6 +180,7 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
                 rid = rng.choice(odd if odd and rng.random() < 0.5 else sorted(live))
                 world.abort(rid)
                 live.pop(rid)
+                ended[rid] = world.steps
                 report.aborts += 1
             step(rng.randrange(0, 3))
             continue
@@ -163,7 +196,9 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
             continue
         elif action == "hang":  # the lower tiers stop answering for a while
             world.hang_reads()
-            hung_until = world.steps + rng.randrange(5, 40)
+            # a few steps (reads pending across step boundaries), or long enough for
+            # every deadline to run out
+            hung_until = world.steps + rng.choice([rng.randrange(1, 4), rng.randrange(5, 40)])
             report.faults += 1
             step(rng.randrange(0, 3))
             continue
@@ -195,6 +230,42 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
         stuck = sorted((r.request_id, r.status.name) for r in world.scheduler.requests.values())
         raise Violation(f"not idle after {DRAIN_STEPS} drain steps: {stuck[:6]}")
     check_quiescent(world)
+
+
+def check_progress(world: SimWorld, live: dict[str, list[int]], ended: dict[str, int],
+                   progress: dict[str, tuple[Any, int]]) -> None:
+    """After every step: no request vLLM still holds ``LEAK_STEPS`` after it finished
+    or was aborted (kvtier holding its load or its free forever: the engine never goes
+    idle, its blocks never come back); no request waiting for kvtier's load
+    (``WAITING_FOR_REMOTE_KVS``) for ``STALL_STEPS``; and no ``STALL_STEPS`` in which no
+    request made progress while some were unfinished (a request queued behind others in
+    a small cache waits as long as they take: that alone is not a stall)."""
+    sched = world.scheduler
+    for rid, at in list(ended.items()):
+        if rid not in sched.requests:
+            del ended[rid]
+        elif world.steps - at > LEAK_STEPS:
+            raise Violation(f"step {world.steps}: request {rid} ended at step {at} and "
+                            f"vLLM still holds it ({sched.requests[rid].status.name})")
+    moved = False
+    for rid in live:
+        req = sched.requests.get(rid)
+        if req is None:
+            continue
+        now = (req.status.name, req.num_computed_tokens, len(world.outputs.get(rid, [])))
+        seen = progress.get(rid)
+        if seen is None or seen[0] != now:
+            progress[rid] = (now, world.steps)
+            moved = True
+        elif now[0] == "WAITING_FOR_REMOTE_KVS" and world.steps - seen[1] > STALL_STEPS:
+            raise Violation(f"step {world.steps}: request {rid} waited {STALL_STEPS} steps "
+                            f"for kvtier's load ({now[1]} tokens computed)")
+    last = progress.get("", ((), world.steps))[1]
+    if moved or not any(r in sched.requests for r in live):
+        progress[""] = ((), world.steps)
+    elif world.steps - last > STALL_STEPS:
+        raise Violation(f"step {world.steps}: no request made progress for {STALL_STEPS} "
+                        f"steps ({len(sched.requests)} held by vLLM)")
 
 
 def _damage(world: SimWorld, rng: random.Random) -> int:
@@ -246,14 +317,21 @@ def check_quiescent(world: SimWorld) -> None:
     """Once every request finished: nothing per request outlives it, no host slot is
     held, and vLLM has every block back."""
     side = world.connector.scheduler_side
+    world.deliver_reports()
     side.store.flush(10.0)
     _wait_released(side)
     left = {name: len(getattr(side, name)) for name in (
         "_lookups", "_saves", "_probes", "_tail_probes", "_waiting", "_decisions", "_async_blocks",
-        "_key_cache", "_epoch_of", "_restored", "_failed_saves", "_loads", "_to_save")}
+        "_key_cache", "_epoch_of", "_restored", "_failed_saves", "_loads", "_to_save",
+        "_streams", "_save_streams", "_recving", "_load_failed", "_capped", "_cap_since",
+        "_save_acks", "_load_acks", "_load_holds", "_async_reqs", "_unconfirmed")}
     left = {k: v for k, v in left.items() if v}
     if left:
         raise Violation(f"per-request state outlived its requests: {left}")
+    for rank, conn in enumerate(world.workers):
+        kept = {k: v for k, v in conn.worker_side.held().items() if v}
+        if kept:
+            raise Violation(f"rank {rank}'s worker side still holds {kept}")
     held = side.store.host.index.num_held()
     if held:
         raise Violation(f"{held} host slot holds outstanding at quiescence")
@@ -283,16 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    cases = [("full", 1), ("window", 1), ("hybrid", 1), ("chunked", 1), ("mla", 1),
-             ("full", 2), ("hybrid", 2)]
+    cases = [(shape, tp, sched) for shape, tp in (
+        ("full", 1), ("window", 1), ("hybrid", 1), ("chunked", 1), ("mla", 1), ("full", 2),
+        ("hybrid", 2)) for sched in SCHEDULERS]
     deadline = time.monotonic() + args.seconds
-    runs = steps = requests = blocks = restored = 0
+    runs = steps = requests = blocks = restored = outputs = 0
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
         while time.monotonic() < deadline:
-            shape, tp = cases[runs % len(cases)]
-            where = Path(tmp) / f"s{seed}-{shape}-{tp}"
+            shape, tp, sched = cases[runs % len(cases)]
+            where = Path(tmp) / f"s{seed}-{shape}-{tp}-{sched}"
             try:
-                r = run_seed(where, seed, shape, tp=tp, arrivals=args.arrivals)
+                r = run_seed(where, seed, shape, tp=tp, arrivals=args.arrivals,
+                             scheduler=sched)
             except Violation as e:
                 print(f"FAIL after {runs} runs: {e}", flush=True)
                 return 1
@@ -302,12 +382,17 @@ def main(argv: list[str] | None = None) -> int:
             requests += r.requests
             blocks += r.blocks_checked
             restored += r.restored_tokens
-            print(f"seed {seed} {shape} tp{tp}: {r.steps} steps, {r.requests} requests, "
-                  f"{r.restores} restores ({r.restored_tokens} tokens), {r.aborts} aborts, "
-                  f"{r.preemptions} preemptions, {r.faults} faults", flush=True)
-            seed += 1
+            outputs += r.outputs_checked
+            print(f"seed {seed} {shape} tp{tp} {sched}: {r.steps} steps, {r.requests} "
+                  f"requests, {r.restores} restores ({r.restored_tokens} tokens), "
+                  f"{r.aborts} aborts, {r.preemptions} preemptions, {r.faults} faults, "
+                  f"{r.copy_faults} copy and {r.write_faults} write failures, "
+                  f"{r.outputs_checked} outputs equal a recompute", flush=True)
+            if runs % len(cases) == 0:
+                seed += 1
     print(f"soak: {runs} runs, {steps} steps, {requests} requests, {blocks} blocks "
-          f"checked, {restored} tokens restored: no violation", flush=True)
+          f"checked, {outputs} outputs compared, {restored} tokens restored: no violation",
+          flush=True)
     return 0
 
 

@@ -72,14 +72,41 @@ def expected_rows(hashes: np.ndarray, layer: int, width: int) -> np.ndarray:
     return out
 
 
+def sampled_token(prefix_hash: int) -> int:
+    """The token the simulated model samples after a prefix whose last position hashes
+    to ``prefix_hash`` (greedy: a pure function of the prefix)."""
+    return int(prefix_hash % 400) + 3
+
+
 @dataclass
 class SimRequest:
     """What the world knows of a request it added: its prefix salt (``cache_salt`` and
-    LoRA change KV bytes, so they change the expected bytes too) and its token hashes."""
+    LoRA change KV bytes, so they change the expected bytes too), its prompt, and its
+    token hashes. Sampling is greedy and a pure function of the prefix, so the whole
+    sequence (prompt, then every token the model will sample) is known from the prompt
+    (``sequence``): the reference every output is compared with, and what the model
+    runner computes on when vLLM's scheduler holds only placeholders for the tokens of
+    steps still in flight (async scheduling)."""
 
     rid: str
     salt: bytes
+    prompt: list[int] = field(default_factory=list)
+    max_tokens: int = 0
     hashes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    _seq: list[int] = field(default_factory=list)
+
+    def sequence(self, n: int) -> list[int]:
+        """The request's first ``n`` tokens: its prompt, then what the model samples."""
+        if not self._seq:
+            self._seq = list(self.prompt)
+        while len(self._seq) < n:
+            h = self.hashes_for(self._seq)
+            self._seq.append(sampled_token(int(h[len(self._seq) - 1])))
+        return self._seq[:n]
+
+    def reference_output(self) -> list[int]:
+        """The output of a recompute: ``max_tokens`` greedy tokens after the prompt."""
+        return self.sequence(len(self.prompt) + self.max_tokens)[len(self.prompt):]
 
     def hashes_for(self, tokens: Sequence[int]) -> np.ndarray:
         """The hashes of at least ``tokens`` (the request's, which only grow), extended
@@ -105,10 +132,13 @@ def mla_backend() -> Any:
 
 def vllm_config_for(root: Path, cfg_path: Path, shape: Shape, *, tp: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 max_model_len: int, engine_id: str) -> Any:
+                 max_model_len: int, engine_id: str, async_scheduling: bool = False) -> Any:
     """The ``VllmConfig`` of a simulated engine: the tiny Llama (built under ``root``'s
     parent) as the model, prefix caching and chunked prefill on, kvtier configured by
-    the file at ``cfg_path``."""
+    the file at ``cfg_path``. ``async_scheduling``: vLLM's GPU default (two batches in
+    flight); the CPU platform turns it off while the config is built, so it is set on
+    the built config, where the scheduler reads it (``max_concurrent_batches``: vLLM
+    then defers the free of blocks a step in flight may still write)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -134,9 +164,11 @@ def vllm_config_for(root: Path, cfg_path: Path, shape: Shape, *, tp: int, num_bl
     ktc = KVTransferConfig(**kv_transfer_config(
         cfg_path, model_fingerprint=f"sim-{shape.name}"), engine_id=engine_id)
     pc = ParallelConfig(tensor_parallel_size=tp)
-    return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
-                      kv_transfer_config=ktc, parallel_config=pc,
-                      device_config=DeviceConfig("cpu"))
+    cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
+                     kv_transfer_config=ktc, parallel_config=pc,
+                     device_config=DeviceConfig("cpu"))
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    return cfg
 
 
 def kv_cache_config_for(shape: Shape, num_blocks: int, block_size: int, tp: int) -> Any:

@@ -101,6 +101,16 @@ def _share_vllm_logging() -> None:
         ours.propagate = False
 
 
+def overlapped_steps(vllm_config: Any) -> bool:
+    """Whether vLLM runs more than one step at a time: async scheduling (vLLM 0.32's
+    default on GPUs) or pipeline parallelism (``VllmConfig.max_concurrent_batches``)."""
+    try:
+        return int(vllm_config.max_concurrent_batches) > 1
+    except (AttributeError, TypeError, ValueError):
+        sc = getattr(vllm_config, "scheduler_config", None)
+        return bool(getattr(sc, "async_scheduling", False))
+
+
 def check_parallel_config(pc: Any) -> None:
     """Tensor parallel is supported; the other ways of splitting a model are refused, with
     the setting to change (``TierError``)."""
@@ -175,7 +185,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                          replicated=geometry.replicated)
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
-            self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role)
+            self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role,
+                                        overlapped_steps=overlapped_steps(vllm_config))
             kv_events = getattr(vllm_config, "kv_events_config", None)
             if kv_events is not None and kv_events.enable_kv_cache_events:
                 self._events = events_for(self._sched, kv_cache_config)
@@ -269,7 +280,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.request_finished_groups(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
-        return self._sched is not None and self._sched.has_pending_saves()
+        """Only frees due within a step (``Steps.has_frees_due``): vLLM waits for them
+        instead of preempting."""
+        return self._sched is not None and self._sched.has_frees_due()
 
     def has_pending_push_work(self) -> bool:
         """True while a flush started by a stop signal runs: vLLM's engine loop (and with

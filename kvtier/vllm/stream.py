@@ -103,6 +103,9 @@ class StreamedLoad:
         self.by_tier: dict[str, int] = {}
         self.staged_ms = 0.0
         self.failed_at = -1  # the entry it could not read, once it failed
+        #: a copy op of this request went out: the worker knows it and reports it
+        #: received (``told_worker``); until then a stream that ends must tell it
+        self.told = False
 
     @property
     def remaining(self) -> int:
@@ -130,12 +133,19 @@ class StreamedLoad:
         if len(out.ops) == before:
             held.release()
             return
+        self.told = True
         self.emitted.append(held)
         out.holds.append(held)
 
-    def advance(self, store: TieredStore, stall_s: float) -> Advance:
+    def skip(self, n: int) -> None:
+        """The first ``n`` entries fill no block (vLLM's own hit grew past them while the
+        restore was staged): never read them."""
+        self.next = max(self.next, min(n, self.found.hits))
+
+    def advance(self, store: TieredStore, stall_s: float, room: int | None = None) -> Advance:
         """One step: hand out what was read, fail a read that stalled or came back short,
-        and start the next read if the window has room."""
+        and start the next read if the window has room (at most ``room`` more slots:
+        what the staging cap leaves to this stream)."""
         out = Advance()
         if self.future is not None:
             fut = self.future
@@ -160,8 +170,11 @@ class StreamedLoad:
         if self.remaining == 0:
             out.ended = True
             return out
-        room = self.window - self.in_flight()
-        if room > 0:
+        free = self.window - self.in_flight()
+        if room is not None:
+            free = min(free, room)
+        if free > 0:
+            room = free
             n = min(room, self.remaining)
             self.progress = self._new_progress()
             head = Lookup(self.found.keys[self.next : self.next + n],
@@ -171,8 +184,15 @@ class StreamedLoad:
                                      self.progress)
         return out
 
+    def fail(self) -> Advance:
+        """End the stream now with a load that fails on purpose (a weights reset: what it
+        reads was computed with the old weights); vLLM recomputes the request."""
+        self.cancel()
+        return self._fail(Advance())
+
     def _fail(self, out: Advance) -> Advance:
         out.ops.append(CopyOp(self.rid, -1, [], 0, 0))  # the worker fails it: recompute
+        self.told = True
         out.ended = out.failed = True
         self.failed_at = self.next
         self.next = self.found.hits
@@ -180,7 +200,9 @@ class StreamedLoad:
 
     def cancel(self) -> None:
         """Stop reading (the request finished or was aborted): a pending read's slots are
-        released when it returns; handed-out holds are released by their steps' acks."""
+        released when it returns; handed-out holds are released by their steps' acks.
+        A stream the worker was never told of (``told``) must still be ended there by
+        the caller (``SchedulerState._tell_ended``), or vLLM waits for its load forever."""
         if self.future is not None:
             if self.progress is not None:
                 self.progress.cancel()

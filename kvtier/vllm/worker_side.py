@@ -217,7 +217,9 @@ class WorkerSide:
         for op in meta.loads:
             (async_ops if meta.async_loads or op.req_id in async_reqs else sync_ops).append(op)
         for loads in self._start_loads(meta.step, async_ops, asynchronous=True).values():
-            loads.finish()  # their requests are not in this forward: issued whole now
+            # their requests are not in this forward: issued whole now, and nothing waits
+            # for them (they are reported once done, ``get_finished``)
+            loads.issue_all()
             self._loading.append((meta.step, loads))
         started = self._start_loads(meta.step, sync_ops, asynchronous=False)
         if started:
@@ -330,6 +332,14 @@ class WorkerSide:
         scheduler aborts it. State held: only saves and loads not yet reported.
         """
         ready = self.saves.finished(finished_req_ids)
+        # a streamed request's steps that are copied are folded into its failure flag:
+        # its loads of every step are not kept until the stream ends
+        for rid in self._more & self._recving.keys():
+            loads = self._recving[rid]
+            if any(ld.done() for ld, _ in loads):
+                if any(ld.done() and any(f is op for f in ld.failed_ops()) for ld, op in loads):
+                    self._recv_failed.add(rid)
+                loads[:] = [(ld, op) for ld, op in loads if not ld.done()]
         # a streamed request is reported once its last loads came (not in ``more``)
         received = {rid for rid, loads in self._recving.items()
                     if rid not in self._more and all(ld.done() for ld, _ in loads)}
@@ -337,7 +347,7 @@ class WorkerSide:
             loads = self._recving.pop(rid)
             if any(any(f is op for f in ld.failed_ops()) for ld, op in loads):
                 self._recv_failed.add(rid)
-        # a group failed to start
+        # a group failed to start (or a folded step of a stream failed)
         received |= self._recv_failed - self._recving.keys() - self._more
         self._failed_now = self._recv_failed & received
         self._recv_failed -= received

@@ -218,6 +218,9 @@ class Finish(Saves):
         st = self._streams.pop(rid, None)
         if st is not None:
             st.cancel()  # the worker reports it received once its copies are done
+            if not st.told:
+                self._tell_ended(rid)  # ... and must learn of it first
+        self._unconfirmed.pop(rid, None)
         self._waiting.pop(rid, None)
         self._probes.pop(rid, None)
         self._tail_probes.pop(rid, None)

@@ -54,12 +54,25 @@ class Loads(RequestKeys):
         self._window_loads(rid, lk, groups[0], num_external)
         self._load_holds.append(lk.held)
         tier = self.store.tiers[lk.held.from_tier[0]].name
-        record_restore({tier: num_external})
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        self._restored[rid] = ({tier: num_external}, staged_ms)
+        self._loaded(rid, {tier: num_external}, staged_ms, num_external // self.bs)
         log.info("kvtier: restoring %d tokens for %s from a %d-block window (%s), "
                  "staged in %.1f ms", num_external, rid,
                  sum(n for _, n in lk.parts), tier, staged_ms)
+
+    def _loaded(self, rid: str, by_tier: dict[str, int], staged_ms: float,
+                nblocks: int) -> None:
+        """A synchronous-shaped restore's copy ops are out: counted as restored now, or,
+        where every restore is an asynchronous load (``async_restores``), once the
+        worker reports it received (``_unconfirmed``): its request waits for that."""
+        if not self.async_restores:
+            record_restore(by_tier)
+            self._restored[rid] = (by_tier, staged_ms)
+            return
+        self._async_reqs.append(rid)
+        self._recving.add(rid)
+        self._async_blocks[rid] = nblocks
+        self._unconfirmed[rid] = (by_tier, staged_ms)
 
     def _chunk_loads(self, rid: str, lk: _Staging, groups: Sequence[Sequence[int]],
                      num_external: int) -> None:
@@ -83,9 +96,8 @@ class Loads(RequestKeys):
             tier = self.store.tiers[lk.held.from_tier[idx]].name
             by_tier[tier] = by_tier.get(tier, 0) + (hi - lo) * self.bs
         self._load_holds.append(lk.held)
-        record_restore(by_tier)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        self._restored[rid] = (by_tier, staged_ms)
+        self._loaded(rid, by_tier, staged_ms, hi_blk - lo_blk)
         log.info(
             "kvtier: restoring %d tokens for %s (%s), %.1f MiB, staged in %.1f ms",
             num_external, rid, ", ".join(f"{t} {n}" for t, n in by_tier.items()),
@@ -149,9 +161,10 @@ class Loads(RequestKeys):
             by_tier = {tier: num_external}
         self._async_blocks[rid] = nblocks
         self._recving.add(rid)
-        record_restore(by_tier)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        self._restored[rid] = (by_tier, staged_ms)
+        # reported once the worker has it all (``_confirm``): an asynchronous load can
+        # still fail
+        self._unconfirmed[rid] = (by_tier, staged_ms)
         log.info("kvtier: restoring %d tokens for %s from %d pieces of %d KV-cache groups "
                  "(%s), staged in %.1f ms", num_external, rid, len(lk.pieces),
                  len(self.geom.groups), ", ".join(f"{t} {n}" for t, n in by_tier.items()),
@@ -175,7 +188,14 @@ class Loads(RequestKeys):
         st.span_tokens = (lk.start_tokens, hi_blk * self.bs)
         out = Advance()
         first = len(lk.held)
-        st.hand_out(lk.held, out)
+        # entries vLLM's own hit covers now (it grew while the restore was staged) fill
+        # no block: those of the head are released with it, the rest are never read
+        below = next((i for i, c in enumerate(copies) if c is not None), len(copies))
+        if below >= len(lk.held):
+            lk.held.release()
+            st.skip(below)
+        else:
+            st.hand_out(lk.held, out)
         self._streams[rid] = st
         self._take(rid, out)
         self._recving.add(rid)
@@ -203,12 +223,19 @@ class Loads(RequestKeys):
 
     def _advance_streams(self) -> None:
         """Every streamed restore moves on (``StreamedLoad.advance``); one whose read
-        failed or stalled ends with a load that fails on purpose (vLLM recomputes it)."""
+        failed or stalled ends with a load that fails on purpose (vLLM recomputes it).
+        Streams together stay within the staging cap (with the stagings waiting for
+        admission): each reads more only into the room the cap has left, and a stream
+        with nothing in flight may always read one slot (it holds its request's blocks;
+        it must progress)."""
         now = self.clock.monotonic()
+        room = self._staged_cap - self._staged_chunks()
         for rid, st in list(self._streams.items()):
             lo, hi = st.span_tokens
             stall_s = self.waits.seconds(self.load_stall_s, lo, hi, now)
-            out = st.advance(self.store, stall_s)
+            before = st.in_flight()
+            out = st.advance(self.store, stall_s, max(room, 0 if before else 1))
+            room -= st.in_flight() - before
             self._take(rid, out)
             if out.failed:
                 if out.stalled:  # a tier stopped answering: storage is suspect
@@ -218,8 +245,7 @@ class Loads(RequestKeys):
                             "vLLM recomputes it", rid,
                             "finish reading" if out.stalled else "read", st.failed_at + 1,
                             st.found.hits)
-            elif out.ended:
-                record_restore(st.by_tier)
-                self._restored[rid] = (st.by_tier, st.staged_ms)
+            elif out.ended:  # reported once the worker has it all (``_confirm``)
+                self._unconfirmed[rid] = (st.by_tier, st.staged_ms)
             if out.ended:
                 del self._streams[rid]

@@ -117,14 +117,16 @@ class Lookups(ShapeStarts):
                                        "staged": time.perf_counter() - lk.t0})
             try:
                 lk.held = fut.result()
-                lk.chunks, lk.staged_step = len(lk.held), self._step
             except Exception:
                 log.exception("kvtier: staging KV for %s failed; recomputing", rid)
                 self._lookups.pop(rid, None)
                 return 0, False
+            if lk.stream is not None and len(lk.held) < lk.chunks:
+                # a streamed restore's head did not all read (``lk.chunks`` is what it
+                # asked for): restore what did, synchronously; claim nothing more
+                lk.stream = None
+            lk.chunks, lk.staged_step = len(lk.held), self._step
         assert lk.held is not None
-        if lk.stream is not None and len(lk.held) < lk.chunks:
-            lk.stream = None  # its first entries did not all read: restore what did
         held = lk.stream[0].hits if lk.stream is not None else len(lk.held)
         tokens = (lk.first_chunk + min(held, lk.full)) * self.ct
         if held > lk.full:  # the tail was read too
@@ -143,4 +145,5 @@ class Lookups(ShapeStarts):
         # a hybrid model's loads are asynchronous: a failed one must be reported per
         # request (vLLM cannot map block-level errors to requests across groups); so is
         # a streamed restore (its chunks arrive over several steps)
-        return ext, self.shape.async_loads or lk.stream is not None
+        # (and every restore where vLLM overlaps its steps: ``async_restores``)
+        return ext, self.shape.async_loads or lk.stream is not None or self.async_restores

@@ -176,7 +176,8 @@ class Saves(RequestKeys):
                         log.info("kvtier: save of %s waited %.2f s for a host slot; %d "
                                  "pieces not saved", rid, now - st.since, len(st.pending))
                         record_drop("host_full")
-                        self.waits.missed(now)  # the write-back does not keep up
+                        # (not ``waits.missed``: a write-back that lags says nothing of
+                        # how fast the tiers answer reads)
                         st.pending = []
                     break
                 st.pending.pop(0)

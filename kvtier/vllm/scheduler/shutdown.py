@@ -47,6 +47,13 @@ class Shutdown(SchedulerState):
         self.identities.bump_epoch()  # cached keys are rebuilt (_Keys.epoch)
         for st in self._save_streams.values():
             st.pending = []  # computed with the old weights: copy no more of it
+        for rid, stream in list(self._streams.items()):
+            # reading KV of the old weights: it must not be delivered after the reset
+            log.info("kvtier: reset: ending the streamed restore of %s (vLLM recomputes it)",
+                     rid)
+            del self._streams[rid]
+            self._loads.extend(stream.fail().ops)
+            self._async_reqs.append(rid)
         if self.role != "both":
             log.warning("kvtier: %s node: after this weights reset it shares KV with no "
                         "node that has not reset with it (the epoch is this engine's "

@@ -66,8 +66,19 @@ class SchedulerState:
         store: TieredStore | None = None,
         role: str = "both",
         clock: Clock = SYSTEM_CLOCK,
+        overlapped_steps: bool = False,
     ) -> None:
+        """``overlapped_steps``: vLLM runs more than one step at a time (its async
+        scheduling, vLLM 0.32's GPU default, or pipeline parallelism): every restore is
+        then an asynchronous load (``_as_async_load``)."""
         self.cfg = cfg
+        #: vLLM schedules a step before the last one's output is processed. A
+        #: synchronous load that fails is reported with its step's output, after the
+        #: next step already ran on the blocks (and sampled from them): vLLM 0.32 then
+        #: rolls the request back but keeps that next step's token. An asynchronous load
+        #: holds its request until the worker reports it, failed or not: no forward ever
+        #: reads a block whose load failed.
+        self.async_restores = overlapped_steps
         self.geom = geometry
         #: the model's shape: its start, loads and finish, picked once (``shapes.py``)
         self.shape: Shape = self._shape()
@@ -118,6 +129,10 @@ class SchedulerState:
         self._recving: set[str] = set()
         #: requests whose load failed: not restored again (until they finish)
         self._load_failed: set[str] = set()
+        #: req -> (tokens by tier, staging ms) of its asynchronous load (hybrid, streamed)
+        #: whose copies the worker has not reported received yet: counted as restored
+        #: (metrics, ``kv_transfer_params``) only once they are, never if they fail
+        self._unconfirmed: dict[str, tuple[dict[str, int], float]] = {}
         #: req -> when the staging cap first refused it room (stage ``cap``)
         self._capped: dict[str, float] = {}
         #: req -> when (``clock``) the staging cap first refused it: its wait's deadline
@@ -179,6 +194,15 @@ class SchedulerState:
             lk.held.release()
         if lk.future is not None:
             lk.future.add_done_callback(release_when_done)
+
+    def _tell_ended(self, rid: str) -> None:
+        """The asynchronous load of ``rid`` (in ``_recving``) ends before the worker was
+        sent any op of it: send one that fails on purpose, so that the worker reports
+        the request received (and failed) and vLLM frees it. Without it vLLM waits
+        for the report for the engine's life (a request aborted in
+        ``WAITING_FOR_REMOTE_KVS`` is freed only when its load is reported)."""
+        self._loads.append(CopyOp(rid, -1, [], 0, 0))
+        self._async_reqs.append(rid)
 
     def _own_threshold(self, request: Any) -> int | None:
         """The request's own fixed threshold (``kvtier.recompute_threshold_tokens``), if

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.metrics import record_failed_loads
+from kvtier.metrics import record_failed_loads, record_restore
 from kvtier.vllm.protocol import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.vllm.scheduler.load import Loads
 from kvtier.vllm.scheduler.records import STAGED_STEPS
@@ -52,13 +52,22 @@ class Steps(Loads, Saves):
             record_failed_loads(failed_load_blocks)
         self._recving.difference_update(finished_recving or ())
         for rid in failed_loads or ():
-            log.warning("kvtier: restore of %s failed; vLLM recomputes it", rid)
+            live = rid in self._epoch_of  # not finished or aborted meanwhile
+            if live:
+                log.warning("kvtier: restore of %s failed; vLLM recomputes it", rid)
             st = self._streams.pop(rid, None)
             if st is not None:
                 st.cancel()
+            self._unconfirmed.pop(rid, None)
             record_failed_loads(self._async_blocks.pop(rid, 0))
             self._recving.discard(rid)
-            self._load_failed.add(rid)  # vLLM asks again: the answer is 0 from now on
+            if live:  # vLLM asks again: the answer is 0 from now on
+                self._load_failed.add(rid)
+        for rid in finished_recving or ():
+            done = self._unconfirmed.pop(rid, None)
+            if done is not None:  # every copy landed: now it counts as restored
+                record_restore(done[0])
+                self._restored[rid] = done
         if isinstance(worker_meta, KVTierWorkerMetadata):
             if self.step_timer is not None:
                 self.step_timer.done(worker_meta.step)
@@ -105,7 +114,16 @@ class Steps(Loads, Saves):
                 self.store.rewrite_through(lost)
 
     def has_pending_saves(self) -> bool:
+        """Saves not finished yet (the engine is not idle; a reset waits for them)."""
         return bool(self._saves or self._save_streams)
+
+    def has_frees_due(self) -> bool:
+        """Blocks of finished requests that come back within a step or two: saves whose
+        copies are out (``_saves``), and save streams with every piece given a slot.
+        vLLM stops preempting while this is True (it expects the frees to make room), so
+        a save stream still waiting for host slots (seconds, at worst its wait bound)
+        does not count: running requests would stall behind it."""
+        return bool(self._saves) or any(not st.pending for st in self._save_streams.values())
 
     def _release_stale_staging(self) -> None:
         """Release staged lookups vLLM did not admit within ``STAGED_STEPS`` steps (their
