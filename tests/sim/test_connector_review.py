@@ -240,3 +240,34 @@ def test_n13_a_streams_copied_steps_are_not_kept(tmp_path: Path) -> None:
         assert w.load_failures() == set()
     finally:
         w.close()
+
+
+# async scheduling -------------------------------------------------------------------
+def test_under_async_scheduling_a_failed_restore_never_reaches_an_output(
+        tmp_path: Path) -> None:
+    """With vLLM's steps overlapped, every restore is an asynchronous load: a copy that
+    fails holds its request until it is reported, and vLLM recomputes it before any
+    forward reads the block. A synchronous load's failure is reported after the next
+    step already ran on the block: vLLM 0.32 rolled the request back but kept that
+    step's token, and the output differed from a recompute."""
+    world = SimWorld(tmp_path / "w", SHAPES["full"],
+                     kvtier_doc(tmp_path, host="160KiB", write="through"), num_blocks=96,
+                     async_scheduling=True)
+    try:
+        side = world.connector.scheduler_side
+        assert side.async_restores
+        prompt = PROMPT[: 3 * CT + 9]
+        world.add("a", prompt, max_tokens=2)
+        _run(world)
+        assert world.scheduler.reset_prefix_cache()
+        assert side.store.flush(10.0)
+        world.fail_copies(1.0)
+        world.add("b", [*prompt, 5], max_tokens=6)
+        _run(world)
+        assert world.copy_faults > 0 and "b" in world.restored
+        assert world.check_outputs() == 2
+        assert world.kv_params["b"]["kvtier"]["restored_tokens"] == 0
+        world.fail_copies(0.0)
+        check_quiescent(world)
+    finally:
+        world.close()
