@@ -72,8 +72,8 @@ def fp32_and_bf16(engine_factory: EngineFactory, tiny_fp32: Path, tiny_bf16: Pat
         # Every restore here from the file tier is meant to read it. Once any probe or
         # load wait runs out (a loaded machine: the defaults are 1 s and 2 s), every wait
         # is cut to the measured recompute (0.25 s at least) for a minute
-        # (``WaitBound.suspect``), and a healthy read still queued then was given up
-        # unread: the corruption test saw no object read.
+        # (``WaitBound.suspect``), and a healthy read still queued then is given up
+        # unread: the corruption test would see no object read.
         restore={"lookup_timeout_seconds": 60.0, "load_timeout_seconds": 60.0},
     )
     bf16_cfg = write_config(
