@@ -31,7 +31,16 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvtier-store")
 
 
+#: The lower tiers' circuit breaker of every test engine (unless a config gives its own
+#: ``health``, as the hung-tier tests do). Under ``make test`` two xdist workers load both
+#: cores and share one disk: a healthy write-through (an fsync) took over the default
+#: 2 s, the breaker marked the file tier down, and for its 10 s cooldown writes were
+#: dropped and lookups skipped the tier, so a test restored nothing from a healthy tier.
+TEST_HEALTH = {"slow_seconds": 60.0}
+
+
 def write_config(path: Path, tiers: list[dict[str, Any]], **top: Any) -> Path:
+    top.setdefault("health", TEST_HEALTH)
     doc = {"chunk_tokens": 256, "tiers": [{"host": {"capacity": "64MiB"}}, *tiers], **top}
     path.write_text(json.dumps(doc))  # JSON is YAML
     return path

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.objformat import HEADER_SPAN, decode_header
 from kvtier.testing.engines import CompletionResult, Conversation, LLMWorker, WorkerError, tokens
 from kvtier.vllm.settings import kv_transfer_config
 from tests.conftest import cephfs_dir
@@ -68,6 +69,12 @@ def fp32_and_bf16(engine_factory: EngineFactory, tiny_fp32: Path, tiny_bf16: Pat
         cfg / "fp32.yaml",
         [{"file": {"path": str(shared_store), "capacity": "1GiB", "write": "through"}}],
         reset_cache="host",  # resets leave prompts on the file tier only
+        # Every restore here from the file tier is meant to read it. Once any probe or
+        # load wait runs out (a loaded machine: the defaults are 1 s and 2 s), every wait
+        # is cut to the measured recompute (0.25 s at least) for a minute
+        # (``WaitBound.suspect``), and a healthy read still queued then is given up
+        # unread: the corruption test would see no object read.
+        restore={"lookup_timeout_seconds": 60.0, "load_timeout_seconds": 60.0},
     )
     bf16_cfg = write_config(
         cfg / "bf16.yaml",
@@ -233,24 +240,47 @@ def test_cache_salt_isolates(fp32: LLMWorker) -> None:
     assert restored(r) > 0
 
 
+def stored_objects(store: Path, kv: dict[str, Any]) -> list[Path]:
+    """The file-tier objects of the prefix a finished request stored (its ``kvtier``
+    ``kv_transfer_params``), first chunk first: ``last_key``'s object, then each header's
+    parent back to the first chunk. Only that request's own objects, whatever other
+    requests wrote meanwhile; asserts every one of them is on disk."""
+    on_disk = {f.name: f for f in store.rglob("*.kv")}
+    chain: list[Path] = []
+    key: str | None = kv["last_key"]
+    while key is not None:
+        f = on_disk.get(f"{key}.kv")
+        assert f is not None, f"chunk {len(chain)} from the end ({key}) is not on disk"
+        with f.open("rb") as fh:
+            meta, _ = decode_header(fh.read(HEADER_SPAN))
+        assert meta.namespace.hex() == kv["namespace"]
+        chain.append(f)
+        key = None if meta.parent is None else meta.parent.hex()
+    assert len(chain) == -(-kv["tokens"] // 256), "one object per stored chunk"
+    return chain[::-1]
+
+
 def test_corrupt_object_on_disk_means_recompute(fp32: LLMWorker, shared_store: Path) -> None:
     p = tokens(800, seed=51)
     ref = reference(fp32, p, "ref-corrupt")
-    before = set(shared_store.rglob("*.kv"))
-    fp32.generate([p], max_tokens=OUT)
-    fp32.reset_until_done()  # host tier dropped, disk kept
-    new = sorted(set(shared_store.rglob("*.kv")) - before)
-    assert new, "the prompt's chunks were written through to disk"
-    for f in new:
+    first = fp32.generate([p], max_tokens=OUT).outputs[0]
+    # host tier dropped, disk kept: a reset completes once no write-through holds a
+    # host slot, so every chunk's write has ended
+    fp32.reset_until_done()
+    objects = stored_objects(shared_store, _kv(first))  # this prompt's, written through
+    assert len(objects) == 3
+    for f in objects:
         data = bytearray(f.read_bytes())
         data[-7] ^= 0x5A
         f.write_bytes(bytes(data))
     r = fp32.generate([p], max_tokens=OUT, reset_prefix_cache=True).outputs[0]
+    assert _kv(r)["decision"] is not None, "the lookup found the chunks and loaded them"
     assert restored(r) == 0
     assert r.token_ids == ref
     # The first chunk failed verification and was removed; the load stopped there, so
     # the later (also damaged) chunks were never read: they are caught when they are.
-    assert not all(f.exists() for f in new), "a corrupt object that was read is removed"
+    assert not objects[0].exists(), "a corrupt object that was read is removed"
+    assert all(f.exists() for f in objects[1:]), "no chunk after it was read"
 
 
 def test_bf16_restore_equals_vllm_prefix_cache_hit(bf16: LLMWorker) -> None:

@@ -53,16 +53,52 @@ CHUNK_BYTES = CT * 512
 
 
 class Stream:
-    """A ZMQ subscriber to vLLM's KV event publisher; every event seen, in order."""
+    """A ZMQ subscriber to vLLM's KV event publisher; every event published since the
+    server started, in order.
 
-    def __init__(self, endpoint: str) -> None:
+    A SUB socket misses what is published before its subscription reaches the publisher
+    (ZMQ's "slow joiner"; a fixed pause before the first request hoped it had). Every
+    batch carries its sequence number, so a gap (batches before the first one received,
+    or between two) is fetched from the publisher's replay socket (``replay``, a ROUTER
+    that resends its buffered batches from a given number on)."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
+        self.replay = replay
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.events: list[Any] = []
         self.arrived: list[float] = []  # time.monotonic() each event was read
+        self.next_seq = 0  # the sequence number of the next batch not seen yet
+
+    def _add(self, seq: int, payload: bytes) -> None:
+        batch = self.decoder.decode(payload).events
+        self.events.extend(batch)
+        self.arrived.extend([time.monotonic()] * len(batch))
+        self.next_seq = seq + 1
+
+    def _fill_gap(self, upto: int, deadline: float) -> None:
+        """Fetch batches ``[next_seq, upto)`` from the replay socket."""
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(self.replay)
+            sock.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+            while True:
+                left = deadline - time.monotonic()
+                assert left > 0, f"the replay of batches {self.next_seq}-{upto} never ended"
+                if not sock.poll(int(min(left, 1.0) * 1000)):
+                    continue
+                _, topic, seq_bytes, payload = sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq < 0 and not topic:  # the end marker
+                    break
+                if self.next_seq <= seq < upto:
+                    self._add(seq, payload)
+        finally:
+            sock.close(linger=0)
+        assert self.next_seq == upto, f"batches {self.next_seq}-{upto} were not replayed"
 
     def until(self, done: Callable[[list[Any]], bool], timeout_s: float = 60.0) -> list[Any]:
         """Read batches until ``done(events)`` or the deadline (then fail)."""
@@ -71,15 +107,36 @@ class Stream:
             left = deadline - time.monotonic()
             assert left > 0, f"stream never got there; saw {len(self.events)} events"
             if self.sock.poll(int(min(left, 1.0) * 1000)):
-                _, _, payload = self.sock.recv_multipart()
-                batch = self.decoder.decode(payload).events
-                self.events.extend(batch)
-                self.arrived.extend([time.monotonic()] * len(batch))
+                _, seq_bytes, payload = self.sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq > self.next_seq:
+                    self._fill_gap(seq, deadline)
+                if seq == self.next_seq:
+                    self._add(seq, payload)
         return self.events
 
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+def events_config(port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config``: its ZMQ publisher on ``port`` and its replay socket
+    on ``replay_port`` ("*": vLLM binds)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}"}
+
+
+def two_ports() -> tuple[int, int]:
+    """Two free ports, for the publisher and its replay socket."""
+    port = free_port()
+    while (replay := free_port()) == port:
+        pass
+    return port, replay
+
+
+def stream_of(port: int, replay_port: int) -> Stream:
+    return Stream(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
 
 
 def stored(events: list[Any], medium: str) -> list[Any]:
@@ -113,14 +170,13 @@ def served(tiny_fp32: Path, tmp_path_factory: pytest.TempPathFactory
     doc = json.loads(cfg.read_text())
     doc["tiers"][0]["host"]["capacity"] = 4 * CHUNK_BYTES
     cfg.write_text(json.dumps(doc))
-    port = free_port()
-    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{port}"}  # "*": vLLM binds
+    port, replay_port = two_ports()
     with APIServer(tmp, model=tiny_fp32, name="events",
                    kv_transfer_config=kv_transfer_config(cfg),
-                   extra_args=["--kv-events-config", json.dumps(events_cfg)],
+                   extra_args=["--kv-events-config",
+                               json.dumps(events_config(port, replay_port))],
                    extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
-        stream = Stream(f"tcp://127.0.0.1:{port}")
+        stream = stream_of(port, replay_port)
         try:
             yield srv, stream, store
         finally:
@@ -141,7 +197,6 @@ def test_cpu_then_storage_then_eviction_and_expiry_on_vllms_stream(
 ) -> None:
     srv, stream, store = served
     with httpx.Client(timeout=300) as client:
-        time.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches the publisher
         complete(client, srv.url, A)
         answered = time.monotonic()
         ev = stream.until(lambda ev: len(stored(ev, "CPU")) >= 2
@@ -302,13 +357,12 @@ def hybrid_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AP
     cfg = write_config(
         tmp / "kvtier.yaml",
         [{"file": {"path": str(tmp / "store"), "capacity": "1GiB", "write": "through"}}])
-    port = free_port()
-    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{port}"}
+    port, replay_port = two_ports()
     with APIServer(tmp, model=model, name="evh",
                    kv_transfer_config=kv_transfer_config(cfg),
-                   extra_args=["--kv-events-config", json.dumps(events_cfg)]) as srv:
-        stream = Stream(f"tcp://127.0.0.1:{port}")
+                   extra_args=["--kv-events-config",
+                               json.dumps(events_config(port, replay_port))]) as srv:
+        stream = stream_of(port, replay_port)
         try:
             yield srv, stream
         finally:
@@ -325,7 +379,6 @@ def test_a_hybrid_models_pieces_are_published_per_group_as_vllm_publishes_them(
     srv, stream = hybrid_served
     prompt = tokens(700, seed=3551)
     with httpx.Client(timeout=300) as client:
-        time.sleep(1.0)  # ZMQ's slow joiner
         complete(client, srv.url, prompt)
         ev = stream.until(lambda ev: len(stored(ev, "CPU")) >= 4
                           and len(stored(ev, "STORAGE")) >= 4)
