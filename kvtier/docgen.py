@@ -323,7 +323,8 @@ is `file1`.
 a file that still sets it is refused with a message saying to delete it.
 
 Relative paths (`file.path`, and the connector's `config`) resolve against the working
-directory of the process that loads them.
+directory of the process that loads them. Shipped examples: `configs/local.yaml` (host
+and a local directory), `configs/nfs.yaml`, `configs/s3.yaml`, `configs/pd-shared.yaml`.
 """
 
 
