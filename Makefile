@@ -83,8 +83,9 @@ demo: $(STAMPS)/venv native
 	$(PY) -m kvtier check configs/local.yaml --count 4
 	$(PY) benchmarks/restore_vs_recompute.py --lengths 1024,2048,4096 --out-dir demo-results
 
-# Random seeds of the simulation over vLLM's own scheduler for SECONDS (default 600);
-# prints the seed of any failure (kvtier/testing/simdrive.py).
+# Random seeds of the simulation over vLLM's own schedulers (Scheduler and AsyncScheduler,
+# every case on both) for SECONDS (default 600); prints the seed of any failure
+# (kvtier/testing/simdrive.py).
 SECONDS ?= 600
 soak: $(STAMPS)/venv native
 	$(PY) -m kvtier.testing.simdrive --seconds $(SECONDS)

@@ -8,7 +8,8 @@
 # engine (kvtier/ops/stepcopy.py, what the vLLM connector runs; no vLLM needed) with
 # FlashAttention and FlashInfer KV layouts: round trips against the torch reference,
 # step bandwidth as a fraction of cudaMemcpyAsync, and a layer-wise load overlapping a
-# matmul per layer (benchmarks/gpu_worker_check.py -> worker_cuda.json).
+# matmul per layer, and that a step's sampling does not wait for an asynchronous restore
+# in flight (benchmarks/gpu_worker_check.py -> worker_cuda.json).
 #
 # Without a CUDA device it says so and exits 0: there is nothing to check.
 #

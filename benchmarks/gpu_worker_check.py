@@ -20,6 +20,9 @@ Checks and measurements (one JSON document on stdout and in ``--out``):
    ``serial``: all loads complete, then the matmuls; ``pipelined``: ``wait_layer(i)``
    then layer ``i``'s matmul, as vLLM's forward does. Overlap works when ``pipelined``
    is near ``max(copy, compute)`` rather than their sum.
+4. ``sampling``: a step's sampling (a small matmul on the compute stream) enqueued
+   while an asynchronous restore's copies run must not wait for them (FAIL if it takes
+   more than half the copy's time); after a synchronous load it does.
 
 On a machine without CUDA it prints ``no CUDA device`` and exits 0 (nothing to check).
 Run it through ``benchmarks/gpu_check.sh`` (which builds ``kvtier._C`` first), or alone:
@@ -230,6 +233,44 @@ def overlap(m: Model, rig: Rig, chunks: int, reps: int) -> dict[str, Any]:
             "overlaps": secs["pipelined"] < 0.8 * secs["serial"]}
 
 
+def sampling_wait(m: Model, rig: Rig, chunks: int, reps: int) -> dict[str, Any]:
+    """A step's sampling while an asynchronous restore is in flight (a streamed or hybrid
+    restore: its request is not in the forward). The worker issues such loads whole and
+    orders nothing after them (``LayerLoads.issue_all``), so a kernel enqueued on the
+    compute stream next (the step's logits and sampling) must not wait for their copies;
+    a synchronous load's ``finish`` does order the compute stream after them. Measured:
+    the time from enqueueing a small matmul to its completion after each. On the CPU the
+    copies complete in the call: the smoke checks the path, not the timing."""
+    bpc = m.blocks_per_chunk
+    loads = [Op(s, list(range((chunks + s) * bpc, (chunks + s + 1) * bpc)))
+             for s in range(chunks)]
+    n = 512 if m.device == "cuda" else 16
+    x = torch.randn(n, n, device=m.device, dtype=m.dtype)
+
+    def sampling_after(asynchronous: bool) -> float:
+        sync()
+        step = rig.copier.start_loads(loads)
+        if asynchronous:
+            step.issue_all()
+        else:
+            step.finish()
+        t0 = time.perf_counter()
+        torch.mm(x, x)
+        if m.device == "cuda":
+            torch.cuda.current_stream().synchronize()
+        dt = time.perf_counter() - t0
+        sync()  # the copies too, before the next run
+        assert step.done()
+        return dt
+
+    copy_s = timed({"copy": lambda: rig.copier.start_loads(loads).finish()}, reps)["copy"]
+    after_async = statistics.median(sampling_after(True) for _ in range(reps))
+    after_sync = statistics.median(sampling_after(False) for _ in range(reps))
+    waits = m.device == "cuda" and after_async > 0.5 * copy_s
+    return {"copy_s": copy_s, "sampling_after_async_load_s": after_async,
+            "sampling_after_sync_load_s": after_sync, "sampling_waits_for_async": waits}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
@@ -277,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 chunks = min(a.chunks, m.slots, m.num_blocks // (2 * m.blocks_per_chunk))
                 run["bandwidth"] = bandwidth(m, rig, alloc.tensor, chunks, a.reps)
                 run["overlap"] = overlap(m, rig, chunks, a.reps)
+                run["sampling"] = sampling_wait(m, rig, chunks, a.reps)
+                ok = ok and not run["sampling"]["sampling_waits_for_async"]
             run["seconds"] = round(time.perf_counter() - t0, 1)
             result["runs"][f"{lname}/{bname}"] = run
             print(f"{lname:10s} {bname:14s} {json.dumps(run)}", flush=True)
@@ -290,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
-    print(f"gpu_worker_check: {'PASS' if ok else 'FAIL'} (round trips)")
+    print(f"gpu_worker_check: {'PASS' if ok else 'FAIL'} (round trips, sampling beside "
+          "asynchronous restores)")
     return 0 if ok else 1
 
 

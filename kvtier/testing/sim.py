@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,11 +92,14 @@ class SimWorld:
                  tp: int = 1, num_blocks: int = 96, block_size: int = 16,
                  max_num_seqs: int = 8, max_batched_tokens: int = 256,
                  max_model_len: int = 2048, async_scheduling: bool = False,
-                 tp_skew: bool = False, seed: int = 0) -> None:
+                 tp_skew: bool = False, seed: int = 0,
+                 configure: Callable[[Any, Any], None] | None = None) -> None:
         """``async_scheduling``: vLLM's ``AsyncScheduler`` (the GPU default) with two
         steps in flight, instead of its synchronous ``Scheduler``; ``tp_skew``: TP ranks
         report finished transfers in different steps (``_skewed``); ``seed`` drives
-        both (when the model runner runs a step, which rank reports late)."""
+        both (when the model runner runs a step, which rank reports late); ``configure``
+        is called with the ``VllmConfig`` and the ``KVCacheConfig`` before anything is
+        built from them (a test's vLLM settings)."""
         import collections
         import random
 
@@ -148,6 +151,8 @@ class SimWorld:
         #: one aggregator for the engine's life, as vLLM's executor keeps
         self._aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.kv_cache_config = kv_cache_config_for(shape, num_blocks, block_size, tp)
+        if configure is not None:
+            configure(self.vllm_config, self.kv_cache_config)
         self.group_names = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
         self.width = [HEADS * tp * 2 * HEAD_SIZE if g != "mla" else HEAD_SIZE * 2
                       for g in shape.groups]

@@ -1,16 +1,20 @@
 """Random workloads for the simulation (``sim.py``), each a function of its seed.
 
-``run_seed`` builds a ``SimWorld`` and plays a workload that real agent traffic
-produces: many requests at once on shared new prefixes, conversations that return with
-grown histories, histories edited in the middle, ``prompt_logprobs`` requests (vLLM reads
-no prefix cache for them), tenants' ``cache_salt``, aborts at any step (while staging,
-during asynchronous loads, while a save is in flight), vLLM's own prefix cache reset
-(its hit shrinks between two calls of the lookup hook), preemption (a small GPU cache),
-and faults of the lower tier (objects corrupted or deleted under kvtier). After every
-step it checks the block-bytes invariant; at the end, once every request has finished
-and the world is idle, that nothing kvtier keeps per request outlived its request
-(``check_quiescent``). A failure raises ``Violation`` naming the seed, so that
-``make soak`` can print it and a test can replay it.
+``run_seed`` builds a ``SimWorld`` over one of vLLM's schedulers (``SCHEDULERS``: the
+synchronous ``Scheduler`` or the GPU default ``AsyncScheduler``) and plays a workload
+that real agent traffic produces: many requests at once on shared new prefixes,
+conversations that return with grown histories, histories edited in the middle,
+``prompt_logprobs`` requests (vLLM reads no prefix cache for them), tenants'
+``cache_salt``, aborts at any step (while staging, during asynchronous loads, while a
+save is in flight), vLLM's own prefix cache reset (its hit shrinks between two calls of
+the lookup hook), preemption (a small GPU cache), faults of the lower tier (objects
+corrupted or deleted under kvtier, reads that hang for a few steps or past every
+deadline, writes that fail) and of the workers (copies that fail). After every step it
+checks the block-bytes invariant and that no request leaks or stalls
+(``check_progress``); at the end, once every request has finished and the world is
+idle, that every completed output equals a recompute and nothing kvtier keeps per
+request outlived its request (``check_quiescent``). A failure raises ``Violation``
+naming the seed, so that ``make soak`` can print it and a test can replay it.
 """
 
 from __future__ import annotations

@@ -188,7 +188,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role,
                                         overlapped_steps=overlapped_steps(vllm_config))
             kv_events = getattr(vllm_config, "kv_events_config", None)
-            if kv_events is not None and kv_events.enable_kv_cache_events:
+            hashed_by = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
+            if kv_events is not None and kv_events.enable_kv_cache_events \
+                    and hashed_by != geometry.block_size:
+                # vLLM's block hashes (its events name them) then cover hash_block_size
+                # tokens each, not one block: kvtier's events would name the wrong ones
+                logging.getLogger("kvtier.vllm.events").warning(
+                    "kvtier: KV events off: vLLM hashes every %d tokens (hash_block_size, "
+                    "e.g. --prefix-match-unit) but blocks are %d tokens; kvtier's events "
+                    "name one hash per block. vLLM's own GPU events are unaffected; to "
+                    "publish kvtier's tiers too, leave the prefix match unit at the block "
+                    "size", hashed_by, geometry.block_size)
+            elif kv_events is not None and kv_events.enable_kv_cache_events:
                 self._events = events_for(self._sched, kv_cache_config)
                 # a finishing request's tails, windows and hybrid pieces, as saved
                 self._sched.on_pieces = self._events.note_pieces
@@ -234,9 +245,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._noted[rid] = len(keys)
 
     def _finish_noting(self, request: Any) -> None:
+        """At the finish every chunk is noted again (the events keep payloads of the
+        most recently noted pieces only: a request's early chunks may have been dropped
+        since its lookup, and its save is about to store them)."""
         if self._events is None:
             return
-        self._note(request)
+        keys = self.scheduler_side.chunk_keys(request)
+        self._events.note(request, keys, 0)
         self._noted.pop(request.request_id, None)
         if self._events.wake is None:  # nothing wakes an idle engine: keep it stepping
             self._writes_watched_until = time.monotonic() + EVENT_WRITES_WATCH_S

@@ -73,8 +73,11 @@ hashes) for each piece held somewhere: about 250 bytes for a 16-block chunk
 medium holding it). At most ``max_chunks`` pieces (oldest claims withdrawn beyond, in
 batches): at 1M 16-block chunks held in both media, about 250 MB + 2.2 GB.
 ``payloads``: the tokens and extra keys a ``BlockStored`` needs, kept for the
-``max_payloads`` most recently noted pieces; a piece that reaches a tier after its
-payload went is published with empty ``token_ids``.
+``max_payloads`` most recently noted pieces. A finishing request's pieces are noted
+again at its finish (its save stores them next), so its payloads are there when its
+stores are observed; a piece whose payload went anyway (more than ``max_payloads`` pieces
+noted in between) is not published: the stream omits it, it never claims a block it
+cannot name.
 
 **When events leave.** vLLM publishes what ``take_events`` returns once per engine step;
 an idle engine does not step. The connector keeps it stepping while events wait
@@ -110,6 +113,12 @@ REMOTE = "REMOTE"
 
 #: Raw observations waiting for ``take`` at most; beyond, every claim is withdrawn.
 MAX_RAW = 1 << 20
+
+#: Observations ``take`` turns into events per call (per engine step), at most: a lower
+#: tier's collection or expiry walk that drops 100k objects costs the scheduler thread a
+#: bounded slice each step instead of one long stall (the rest stays queued, in order;
+#: ``pending`` keeps the engine stepping until it is out).
+TAKE_BUDGET = 8192
 #: Default cap of pieces claimed held (``held``).
 MAX_CHUNKS = 1_000_000
 #: Default number of chunks whose store payload (tokens, extra keys) is kept.
@@ -300,7 +309,9 @@ class KVEvents:
             self.held.clear()
             self.counts.clear()
         last: tuple[int, int, list[Any]] | None = None  # the last removal: merge into it
-        while self._raw:
+        budget = TAKE_BUDGET  # the rest waits for the next step (``pending``)
+        while self._raw and budget > 0:
+            budget -= 1
             tier, stored, key = self._raw.popleft()
             bit = 1 << tier
             rec = self.held.get(key)

@@ -16,7 +16,8 @@ request when there are several groups, and recomputes the request). A streamed r
 loads arrive over several steps: while its id is in ``KVTierMetadata.more``, more of its
 loads follow, and the worker does not report it received.
 
-A save streamed through the host pool (``kvtier/vllm/savestream.py``: a finishing request
+A save streamed through the host pool (``Saves._save_pieces`` in
+``kvtier/vllm/scheduler/save.py``: a finishing request
 with more new chunks than the pool has free slots) goes the same way in the other
 direction: its copies arrive over several steps while its id is in
 ``KVTierMetadata.saves_more`` (the worker does not report it finished sending, so vLLM

@@ -147,6 +147,7 @@ def test_gpu_worker_check_runs_on_the_cpu(tmp_path: Path) -> None:
         assert run["round_trip"]["ok"], name
         if not name.endswith("/torch"):
             assert run["bandwidth"]["gbps"]["load"] > 0 and "pipelined" in run["overlap"]["seconds"]
+            assert run["sampling"]["sampling_waits_for_async"] is False, name
 
 
 @pytest.mark.parametrize("name", ["cpu", "flash"])

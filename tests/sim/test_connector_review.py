@@ -271,3 +271,29 @@ def test_under_async_scheduling_a_failed_restore_never_reaches_an_output(
         check_quiescent(world)
     finally:
         world.close()
+
+
+# N11 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("hash_block_size", [16, 8])
+def test_n11_events_are_off_when_vllm_hashes_other_than_blocks(
+        tmp_path: Path, hash_block_size: int, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM names blocks by hashes of ``hash_block_size`` tokens (``--prefix-match-unit``
+    below the block size); kvtier's events name one hash per block, so they would name
+    the wrong ones: kvtier publishes none then, and says why."""
+    from vllm.config import KVEventsConfig
+
+    def events_on(vllm_config: Any, kv_cache_config: Any) -> None:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True,
+                                                      publisher="null")
+        kv_cache_config.hash_block_size = hash_block_size
+
+    world = SimWorld(tmp_path / "w", SHAPES["full"], kvtier_doc(tmp_path), num_blocks=48,
+                     configure=events_on)
+    try:
+        if hash_block_size == world.bs:
+            assert world.connector._events is not None
+        else:
+            assert world.connector._events is None
+            assert "KV events off: vLLM hashes every 8 tokens" in caplog.text
+    finally:
+        world.close()

@@ -231,6 +231,49 @@ def test_an_overflowing_queue_withdraws_every_claim(monkeypatch: pytest.MonkeyPa
     assert not ev.held
 
 
+def test_take_does_a_bounded_slice_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk that drops many objects at once is published over several steps, in order,
+    each ``take`` doing at most ``TAKE_BUDGET`` observations (review N10)."""
+    monkeypatch.setattr(events_mod, "TAKE_BUDGET", 4)
+    ev = KVEvents(eventsetup.tier_media(["host"]), block_size=BS, blocks_per_chunk=BPC,
+                  chunk_tokens=CT)
+    reqs = [request(f"b{i}", prompt(1, seed=300 + i)) for i in range(10)]
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(10)]
+    for r, k in zip(reqs, keys, strict=True):
+        ev.note(r, [k])
+        ev.observe(0, True, k)
+    batches = []
+    while ev.pending():
+        batches.append(ev.take())
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [e.block_hashes for b in batches for e in b] == \
+        [gpu_hashes(r)[:BPC] for r in reqs]
+
+
+def test_a_finishing_request_is_noted_again_so_its_save_is_published(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The events keep payloads of the most recently noted pieces only: a request noted
+    at its lookup whose payloads were dropped since (many requests noted in between) is
+    noted again when it finishes, and its save is published (review N9)."""
+    from kvtier.vllm.connector import KVTierConnector
+
+    sched, ev, _, _ = env
+    req = request("n9", prompt(2, seed=9))
+    keys = sched.chunk_keys(req)
+    assert ev.note(req, keys) == 2
+    ev.payloads.clear()  # dropped FIFO beyond max_payloads by other requests' notes
+    conn = KVTierConnector.__new__(KVTierConnector)  # only its noting (no engine here)
+    conn._events, conn._sched, conn._noted = ev, sched, {req.request_id: 2}
+    conn._finish_noting(req)
+    ns = sched.identities.of(req).namespace  # type: ignore[union-attr]
+    for c in range(len(keys)):
+        sched.store.put(sched._meta(ns, keys, c), np.zeros(sched.slot_bytes, np.uint8))
+    assert sched.store.flush(10)
+    cpu = by_medium(ev.take(), BlockStored, "CPU")
+    assert [e.block_hashes for e in cpu] == [gpu_hashes(req)[:BPC],
+                                             gpu_hashes(req)[BPC : 2 * BPC]]
+
+
 def test_a_held_chunk_costs_a_bounded_number_of_bytes() -> None:
     """16 blocks a chunk, vLLM's default 64-bit event hashes: what 20k claims cost, key
     objects included (the held map keeps them alive), and what their per-block counts
