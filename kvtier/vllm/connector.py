@@ -10,7 +10,9 @@ Load it with::
 
 ``kv_load_failure_policy`` must be ``recompute`` (vLLM's default, ``fail``, turns every
 restore kvtier cannot complete into an error returned to the user; a cache recomputes
-instead): the connector refuses to start otherwise, naming the setting.
+instead): the connector refuses to start otherwise, naming the setting. ``kv_role``
+sets what the engine does by default (``settings``): ``kv_both`` loads and saves, a
+``kv_producer`` never loads, a ``kv_consumer`` never saves.
 
 vLLM constructs one instance per process: role SCHEDULER in the engine core (bookkeeping,
 ``scheduler_side.SchedulerSide``) and role WORKER in each worker (bytes,
@@ -159,7 +161,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ValueError("KVTierConnector needs vLLM >= 0.11 (kv_cache_config argument)")
         check_load_failure_policy(self._kv_transfer_config)
-        settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config,
+                                      getattr(self._kv_transfer_config, "kv_role", None))
         cfg = settings.config
         check_parallel_config(vllm_config.parallel_config)
         self._tp_rank, tp_world = tp_placement(vllm_config)
@@ -186,7 +189,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             ns = namespace_for(vllm_config, geometry, cfg.chunk_tokens, physical=physical,
                                fingerprint=settings.model_fingerprint)
             self._sched = SchedulerSide(cfg, geometry, ns, path, role=settings.role,
-                                        overlapped_steps=overlapped_steps(vllm_config))
+                                        overlapped_steps=overlapped_steps(vllm_config),
+                                        loads=settings.load, saves=settings.save)
             kv_events = getattr(vllm_config, "kv_events_config", None)
             hashed_by = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
             if kv_events is not None and kv_events.enable_kv_cache_events \
@@ -284,7 +288,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._finish_noting(request)
-        return self.scheduler_side.request_finished(request, block_ids)
+        delay, params = self.scheduler_side.request_finished(request, block_ids)
+        return delay, self.scheduler_side.pd_answer(request, params)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -292,7 +297,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's hook with the hybrid manager on: every group's blocks (one group: the
         same as ``request_finished``)."""
         self._finish_noting(request)
-        return self.scheduler_side.request_finished_groups(request, block_ids)
+        delay, params = self.scheduler_side.request_finished_groups(request, block_ids)
+        return delay, self.scheduler_side.pd_answer(request, params)
 
     def has_pending_block_frees(self) -> bool:
         """Only frees due within a step (``Steps.has_frees_due``): vLLM waits for them

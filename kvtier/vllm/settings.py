@@ -7,7 +7,13 @@ Keys (all others are an error naming the key):
 * ``model_fingerprint``: use this string instead of hashing the model's config/weights.
 * ``role``: ``both`` (default; one engine, eviction tiering), or ``prefill`` / ``decode``
   for P/D disaggregation. Both P/D roles need a write-through lower tier that the other
-  node reaches (the KV moves through it), and say so at start if there is none.
+  node reaches (the KV moves through it), and say so at start if there is none. Unset,
+  it follows vLLM's ``kv_role``: ``kv_producer`` is ``prefill``, ``kv_consumer`` is
+  ``decode``, ``kv_both`` is ``both``.
+* ``load`` / ``save`` (booleans): whether this engine restores KV from kvtier and stores
+  its KV there. Unset, they follow ``kv_role``: a ``kv_producer`` never loads, a
+  ``kv_consumer`` never saves, ``kv_both`` does both. (A request's own
+  ``kv_transfer_params.kvtier`` ``load: false`` / ``save: false`` still apply.)
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from typing import Any
 
 from kvtier.config import ConfigError, KVTierConfig, load_config
 
-ALLOWED = {"config", "overrides", "model_fingerprint", "role"}
+ALLOWED = {"config", "overrides", "model_fingerprint", "role", "load", "save"}
 ROLES = ("both", "prefill", "decode")
+#: vLLM's ``kv_role`` -> kvtier's role, and whether the engine loads and saves by default
+KV_ROLES = {"kv_both": ("both", True, True), "kv_producer": ("prefill", False, True),
+            "kv_consumer": ("decode", True, False)}
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,9 @@ class ConnectorSettings:
     config: KVTierConfig
     model_fingerprint: str | None
     role: str = "both"
+    #: this engine restores KV from kvtier / stores its KV there
+    load: bool = True
+    save: bool = True
 
 
 def kv_transfer_config(
@@ -50,8 +62,15 @@ def kv_transfer_config(
     }
 
 
-def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+def parse_extra_config(extra: Mapping[str, Any] | None,
+                       kv_role: str | None = None) -> ConnectorSettings:
+    """``kv_connector_extra_config`` validated, with vLLM's ``kv_role`` (``KV_ROLES``)
+    giving the defaults of ``role``, ``load`` and ``save``. Raises ``ConfigError`` naming
+    the key."""
     extra = dict(extra or {})
+    if kv_role is not None and kv_role not in KV_ROLES:
+        raise ConfigError(f"kv_role {kv_role!r} is not one of {sorted(KV_ROLES)}")
+    default_role, default_load, default_save = KV_ROLES[kv_role or "kv_both"]
     unknown = sorted(set(extra) - ALLOWED)
     if unknown:
         raise ConfigError(
@@ -69,7 +88,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     fp = extra.get("model_fingerprint")
     if fp is not None and not isinstance(fp, str):
         raise ConfigError("kv_connector_extra_config.model_fingerprint: must be a string")
-    role = extra.get("role", "both")
+    role = extra.get("role", default_role)
     if role not in ROLES:
         raise ConfigError(
             f"kv_connector_extra_config.role: {role!r} is not one of {list(ROLES)}"
@@ -83,4 +102,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorSettings:
             f"{path} has no lower tier with 'write: through'; add a file or s3 tier that "
             "both nodes reach, with write: through (see configs/pd-shared.yaml)"
         )
-    return ConnectorSettings(cfg, fp, role)
+    flags = {}
+    for key, default in (("load", default_load), ("save", default_save)):
+        value = extra.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"kv_connector_extra_config.{key}: must be true or false, "
+                              f"not {value!r}")
+        flags[key] = value
+    return ConnectorSettings(cfg, fp, role, flags["load"], flags["save"])

@@ -94,8 +94,7 @@ def attach_host_pool(path: Path, slot_bytes: int, num_slots: int) -> HostPool:
 def _no_worker(path: Path) -> str:
     return (
         f"kvtier: the worker's host pool {path} does not exist; the worker side of the "
-        "connector did not start (is kv_role kv_both and the same kv_transfer_config "
-        "used by every process?)"
+        "connector did not start (is the same kv_transfer_config used by every process?)"
     )
 
 

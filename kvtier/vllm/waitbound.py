@@ -12,6 +12,12 @@ configured seconds apply.
 Why: on a tiny model a recompute costs 0.08 s, and with the configured 1 s probe and 2 s
 load deadlines a hung tier made each new prompt wait 14 times what it could save.
 
+Probes (``probe_seconds``) are bounded by the recompute always; loads (``seconds``) get
+the configured seconds while the storage is healthy and the recompute once a wait ran
+out (a healthy read of a long prefix on a loaded node can sit idle behind other IO for
+longer than a small model's recompute; abandoning it would turn a restore into a
+recompute, so the first load on a tier that stops answering pays its deadline once).
+
 Threads: ``seconds`` reads the step model (its own lock); any thread.
 """
 
@@ -65,6 +71,18 @@ class WaitBound:
         if not self.steps.warm:
             return left_s
         return max(0.0, min(left_s, self.steps.recompute_seconds(start_tokens, end_tokens)))
+
+    def probe_seconds(self, configured_s: float, at_stake: int) -> float:
+        """How long a lookup's probe ("is it on a lower tier?") of ``at_stake`` tokens
+        may wait: their measured recompute within ``[floor_s, configured_s]``, healthy
+        storage or not. A probe is what every new prompt with nothing indexed pays
+        (most prompts of a busy node); on a tier that has just stopped answering, the
+        first prompts after the hang started are no exception (the breaker and the
+        suspect window only learn of the hang from the first wait that runs out)."""
+        if not self.steps.warm:
+            return configured_s
+        return min(configured_s, max(self.floor_s,
+                                     self.steps.recompute_seconds(0, at_stake)))
 
     def seconds(self, configured_s: float, start_tokens: int, end_tokens: int,
                 now: float | None = None) -> float:

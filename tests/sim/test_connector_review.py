@@ -297,3 +297,33 @@ def test_n11_events_are_off_when_vllm_hashes_other_than_blocks(
             assert "KV events off: vLLM hashes every 8 tokens" in caplog.text
     finally:
         world.close()
+
+
+# P/D: vLLM's proxy protocol -------------------------------------------------------------
+def test_vllms_pd_protocol_hands_the_prefill_nodes_kv_to_the_decode(
+        world: SimWorld) -> None:
+    """vLLM's own P/D proxy (and llm-d's sidecar) send the prefill node ``max_tokens: 1``
+    with ``kv_transfer_params: {do_remote_decode: true, ...}`` and hand its response's
+    ``kv_transfer_params`` to the decode node: the answer says ``do_remote_prefill`` and
+    names what was stored (``kvtier.expect``), and the decode request restores all of it
+    (here one engine plays both nodes: vLLM's own cache and the host pool are emptied in
+    between, so only the file tier holds it)."""
+    side = world.connector.scheduler_side
+    prompt = PROMPT[: 4 * CT + 37]
+    nixl_style = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+    world.add("p", prompt, max_tokens=1, kv_params=nixl_style)
+    _run(world)
+    answer = world.kv_params["p"]
+    assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
+    expect = answer["kvtier"]["expect"]
+    assert expect["tokens"] == len(prompt) // world.bs * world.bs  # chunks and a tail
+    assert world.scheduler.reset_prefix_cache()
+    assert side.store.flush(10.0)
+    side.store.drop_host()
+    world.add("d", prompt, max_tokens=8, kv_params=answer)
+    _run(world)
+    assert world.restored["d"] == expect["tokens"] >= 0.95 * len(prompt)
+    assert world.check_outputs() == 2
+    check_quiescent(world)

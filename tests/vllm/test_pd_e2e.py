@@ -73,7 +73,12 @@ class PD:
         return self.client.post(self.router_url + "/v1/completions", json=body)
 
     def prefill_tokens(self) -> dict[str, float]:
-        text = self.client.get(self.prefill.url + "/metrics").text
+        return self.prompt_tokens(self.prefill)
+
+    def prompt_tokens(self, server: APIServer) -> dict[str, float]:
+        """vLLM's prompt tokens of ``server`` so far, by source (``local_compute``,
+        ``local_cache_hit``, ``external_kv_transfer``)."""
+        text = self.client.get(server.url + "/metrics").text
         out: dict[str, float] = {}
         for m in re.finditer(
             r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$',
@@ -304,6 +309,68 @@ def test_a_swarm_on_a_new_prefix_each_decode_restores_its_own_suffix(pd: PD) -> 
         # chunks 2-3 are this conversation's own: only kvtier can have them (the decode
         # node's prefix cache may hold the shared chunks 0-1 from a sibling)
         assert params["restored_tokens"] >= 256, (i, params)
+
+
+#: What vLLM's own P/D proxy (its disaggregation tests' toy proxy) and llm-d's routing
+#: sidecar put in the prefill request (with ``max_tokens: 1``, not streamed).
+VLLM_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "remote_engine_id": None, "remote_block_ids": None,
+                      "remote_host": None, "remote_port": None}
+
+
+def _vllm_proxy_turn(client: httpx.Client, pd: PD, prompt: list[int],
+                     max_tokens: int) -> httpx.Response:
+    """One request through the hop vLLM's proxy makes: the prefill node first, with the
+    protocol's params and one output token; then the decode node with whatever
+    ``kv_transfer_params`` the prefill answered (nothing kvtier-specific added)."""
+    first = client.post(pd.prefill.url + "/v1/completions", json={
+        **BASE, "prompt": prompt, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": VLLM_PROXY_PREFILL})
+    assert first.status_code == 200, first.text
+    body: dict[str, Any] = {**BASE, "prompt": prompt, "max_tokens": max_tokens}
+    handed = first.json().get("kv_transfer_params")
+    if handed:
+        body["kv_transfer_params"] = handed
+    return client.post(pd.decode.url + "/v1/completions", json=body)
+
+
+def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) -> None:
+    """Four conversations through vLLM's P/D proxy protocol (``do_remote_decode`` on the
+    prefill request, its answer handed to the decode node as it is), first turns all at
+    once (the decode requests race the prefill node's write-through), then two more
+    turns each: every decode computes at most 5 % of its prompt (the rest restored by
+    kvtier or, for a returning conversation, hit in its own prefix cache), and every
+    answer equals a recompute. Before, the prefill's answer named nothing the decode
+    node waited for, and first turns recomputed most of their prompts."""
+    convs = {f"v{i}": _tokens(500 + 90 * i, seed=700 + i) for i in range(4)}
+    refs = {c: pd.reference(p, 12)["token_ids"] for c, p in convs.items()}
+
+    def first_turn(c: str) -> httpx.Response:
+        with httpx.Client(timeout=300) as client:
+            return _vllm_proxy_turn(client, pd, convs[c], 12)
+
+    with ThreadPoolExecutor(len(convs)) as pool:
+        firsts = dict(zip(convs, pool.map(first_turn, convs), strict=True))
+    for c, r in firsts.items():
+        params = _kvtier(r)
+        assert r.json()["choices"][0]["token_ids"] == refs[c], c
+        assert params["restored_tokens"] >= 0.95 * len(convs[c]), (c, params)
+    last: dict[str, httpx.Response] = firsts
+    for turn in (2, 3):
+        for c in convs:
+            out = last[c].json()["choices"][0]["token_ids"]
+            convs[c] = convs[c] + out + _tokens(60, seed=_follow_up(c, turn))
+        last = {}
+        for c, prompt in convs.items():
+            ref = pd.reference(prompt, 12)["token_ids"]
+            before = pd.prompt_tokens(pd.decode)
+            r = _vllm_proxy_turn(pd.client, pd, prompt, 12)
+            after = pd.prompt_tokens(pd.decode)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref, (c, turn)
+            computed = after["local_compute"] - before["local_compute"]
+            assert computed <= 0.05 * len(prompt), (c, turn, computed, len(prompt))
+            last[c] = r
 
 
 def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> None:

@@ -89,3 +89,23 @@ def test_model_fingerprint_tells_checkpoints_apart(tmp_path: Path) -> None:
 
     assert fp(a) == fp(a)
     assert fp(a) != fp(b)
+
+
+def test_kv_role_means_what_it_says(tmp_path: Path) -> None:
+    """vLLM's ``kv_role`` sets kvtier's defaults: a producer never loads, a consumer
+    never saves (each can be turned back on), ``kv_both`` does both; an explicit
+    ``role`` wins; a bad ``load``/``save`` names the key."""
+    p = tmp_path / "pd.yaml"
+    p.write_text(f"tiers:\n  - host: {{capacity: 64MiB}}\n"
+                 f"  - file: {{path: {tmp_path / 'shared'}, capacity: 1GiB, write: through}}\n")
+    both = parse_extra_config({"config": str(p)}, "kv_both")
+    assert (both.role, both.load, both.save) == ("both", True, True)
+    prod = parse_extra_config({"config": str(p)}, "kv_producer")
+    assert (prod.role, prod.load, prod.save) == ("prefill", False, True)
+    cons = parse_extra_config({"config": str(p)}, "kv_consumer")
+    assert (cons.role, cons.load, cons.save) == ("decode", True, False)
+    again = parse_extra_config({"config": str(p), "save": True, "role": "both"}, "kv_consumer")
+    assert (again.role, again.load, again.save) == ("both", True, True)
+    assert parse_extra_config({"config": str(p)}).load  # no kv_role: kv_both
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.load: must be true"):
+        parse_extra_config({"config": str(p), "load": "yes"}, "kv_both")

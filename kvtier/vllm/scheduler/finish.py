@@ -15,7 +15,6 @@ from kvtier.metrics import record_drop
 from kvtier.vllm.hybrid import full_groups, local_groups, saveable_groups
 from kvtier.vllm.identity import PENDING, Unsupported
 from kvtier.vllm.scheduler.records import (
-    _request_params,
     _saveable_tokens,
     _SavePiece,
 )
@@ -78,7 +77,7 @@ class Finish(Saves):
             tail = _SavePiece(key, meta, list(block_ids[lo : lo + tail_blocks]), tail_blocks)
             if self.on_pieces is not None:
                 self.on_pieces(request, [(key, 0, lo, tail_blocks)])
-        wanted = (n_chunks or tail) and _request_params(request).get("save") is not False
+        wanted = (n_chunks or tail) and self._may_save(request)
         saved, held = (self._save(rid, request, ns, keys, block_ids, tail) if wanted
                        else (0, 0))
         self._key_cache.pop(rid, None)
@@ -125,7 +124,7 @@ class Finish(Saves):
             got = PENDING
         end = n_chunks * self.ct + tail_blocks * self.bs
         if seen_epoch != self.identities.epoch or got is PENDING or not end or \
-                _request_params(request).get("save") is False:
+                not self._may_save(request):
             self._key_cache.pop(rid, None)
             ns = b"" if got is PENDING else got[0]
             return False, self._params(rid, ns, 0, None, restored, restore_ms, 0, 0)
@@ -180,7 +179,7 @@ class Finish(Saves):
         end = n_chunks * self.ct + tail_blocks * self.bs
         saved = whole = tokens = 0
         last: ChunkKey | None = None
-        if end and _request_params(request).get("save") is not False:
+        if end and self._may_save(request):
             last = self._end_key(request, keys, end)
             parts, part_keys = self._window_keys(last, end)
             if not saveable(list(block_ids), parts):
@@ -265,6 +264,26 @@ class Finish(Saves):
             "write_through_bytes": whole,
         }
         return {"kvtier": params}
+
+    def pd_answer(self, request: Any,
+                  params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The response's ``kv_transfer_params`` in the P/D protocol of vLLM's own proxy
+        and llm-d's routing sidecar: a prefill request comes with ``do_remote_decode:
+        true`` (and ``max_tokens: 1``), and whatever ``kv_transfer_params`` its response
+        carries is handed to the decode node's request. So the prefill node's answer
+        says ``do_remote_prefill: true`` and carries ``kvtier.expect``: the chunks (and
+        tail) it stored or is storing, which the decode node waits for (bounded) and
+        restores (``Probes._announced``). Other requests' params are returned as they
+        are. Memory only."""
+        kvp = getattr(request, "kv_transfer_params", None)
+        if params is None or not isinstance(kvp, dict) or not kvp.get("do_remote_decode"):
+            return params
+        mine = params.get("kvtier")
+        out: dict[str, Any] = {**params, "do_remote_prefill": True, "do_remote_decode": False}
+        if isinstance(mine, dict) and mine.get("tokens") and mine.get("last_key"):
+            out["kvtier"] = {**mine, "expect": {k: mine[k] for k in
+                                                ("namespace", "tokens", "last_key")}}
+        return out
 
     def _decision(self, rid: str) -> dict[str, str] | None:
         """The restore-or-recompute decision for ``rid``, for its response (why kvtier

@@ -69,7 +69,7 @@ class Lookups(ShapeStarts):
             self._forget(rid)
             lk = None
         if lk is None:
-            if _request_params(request).get("load") is False or rid in self._load_failed \
+            if not self._may_load(request) or rid in self._load_failed \
                     or getattr(request, "skip_reading_prefix_cache", False):
                 # load: false; a load of this request failed already (vLLM asks again
                 # after a failed asynchronous load: the same load would fail the same

@@ -49,8 +49,8 @@ class Probes(RequestKeys):
                 log.debug("kvtier: probe queue full; %s answered from the indexes", rid)
                 return False
             at_stake = len(beyond) * self.ct
-            limit = self.lookup_timeout_s if waiting else self.waits.seconds(
-                self.lookup_timeout_s, 0, at_stake, now)
+            limit = self.lookup_timeout_s if waiting else self.waits.probe_seconds(
+                self.lookup_timeout_s, at_stake)
             probes[rid] = _Probe(fut, now, progress, limit_s=limit)
             return True
         if p.answered is not None:

@@ -67,11 +67,17 @@ class SchedulerState:
         role: str = "both",
         clock: Clock = SYSTEM_CLOCK,
         overlapped_steps: bool = False,
+        loads: bool = True,
+        saves: bool = True,
     ) -> None:
         """``overlapped_steps``: vLLM runs more than one step at a time (its async
         scheduling, vLLM 0.32's GPU default, or pipeline parallelism): every restore is
-        then an asynchronous load (``_as_async_load``)."""
+        then an asynchronous load (``_loaded``). ``loads`` / ``saves``: whether this
+        engine restores from kvtier and stores into it at all (``settings``: vLLM's
+        ``kv_role`` by default)."""
         self.cfg = cfg
+        self.loads = loads
+        self.saves = saves
         #: vLLM schedules a step before the last one's output is processed. A
         #: synchronous load that fails is reported with its step's output, after the
         #: next step already ran on the blocks (and sampled from them): vLLM 0.32 then
@@ -203,6 +209,16 @@ class SchedulerState:
         ``WAITING_FOR_REMOTE_KVS`` is freed only when its load is reported)."""
         self._loads.append(CopyOp(rid, -1, [], 0, 0))
         self._async_reqs.append(rid)
+
+    def _may_load(self, request: Any) -> bool:
+        """Whether kvtier may restore KV for ``request``: the engine loads, and the
+        request did not say ``load: false``."""
+        return self.loads and _request_params(request).get("load") is not False
+
+    def _may_save(self, request: Any) -> bool:
+        """Whether kvtier may store ``request``'s KV: the engine saves, and the request
+        did not say ``save: false``."""
+        return self.saves and _request_params(request).get("save") is not False
 
     def _own_threshold(self, request: Any) -> int | None:
         """The request's own fixed threshold (``kvtier.recompute_threshold_tokens``), if
