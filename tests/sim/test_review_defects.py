@@ -249,6 +249,30 @@ def test_10_a_failed_longer_save_keeps_the_shorter_tail(tmp_path: Path) -> None:
         sched.close()
 
 
+def test_10b_a_piece_another_request_is_saving_leaves_the_shorter_tail(
+        tmp_path: Path) -> None:
+    """Two requests end with the same longer piece: the second finds the first one's
+    save of it in flight and must not drop the shorter tail then (review 2026-12-04,
+    old defect 10): if that save fails, the shorter tail is the only copy left."""
+    from kvtier.vllm.protocol import KVTierWorkerMetadata
+
+    sched = tl._sched(tl._cfg(tmp_path))
+    try:
+        one = [*range(900, 900 + tl.CT + tl.BS + 1)]
+        tl._finish(sched, tl._req("d", one))  # a 1-block tail of chunk 1
+        short = tl._tail(one, 1, 1)
+        assert sched.store.host.indexed(short)
+        grown = [*one[: tl.CT + tl.BS], *range(1000, 1000 + tl.BS + 1)]
+        sched.request_finished(tl._req("e", grown), list(range(100, 100 + 7)))
+        sched.request_finished(tl._req("f", grown), list(range(200, 200 + 7)))
+        assert sched.store.host.indexed(short), "dropped while the longer save is in flight"
+        meta = sched.build_meta()
+        sched.on_worker_output({"e", "f"}, KVTierWorkerMetadata([], ["e", "f"], meta.step))
+        assert sched.store.host.indexed(short), "both longer saves failed: keep the short"
+    finally:
+        sched.close()
+
+
 # 11 ---------------------------------------------------------------------------------
 def test_11_a_finished_request_is_saved_up_to_its_last_computed_token(
         tmp_path: Path) -> None:

@@ -113,7 +113,10 @@ class Saves(RequestKeys):
                         break
                     record_drop("host_full")
                     break
-                if c == stored and supersede:  # another request's copy is (being) stored
+                if c == stored and supersede and not self.store.saving(piece.key):
+                    # another request's copy is stored: the shorter tails are repeated
+                    # in it. (One still being saved supersedes them itself when its save
+                    # commits, and keeps them if it fails.)
                     self.store.delete(self._superseded(request, keys, c,
                                                         piece.span or self.bpc))
                 # stored meanwhile, or being saved by another request: held. Announced
