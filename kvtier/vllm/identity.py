@@ -144,6 +144,9 @@ class _Adapter:
     failures: int = 0
     retry_at: float = 0.0
     running: bool = False  # a check is queued or running
+    #: its files changed on disk after it was fingerprinted (not through a
+    #: ``load_inplace`` reload): which weights vLLM serves is not known
+    drifted: bool = False
 
 
 class AdapterFingerprints:
@@ -158,8 +161,11 @@ class AdapterFingerprints:
     * A new adapter is ``PENDING`` until fingerprinted.
     * A known one is re-checked at most every ``revalidate_s``; meanwhile, and while the
       check runs, ``get`` answers the fingerprint it has. A check that finds the files
-      changed drops it first (``PENDING`` until the new one is known), so KV is never
-      keyed by the fingerprint of files that are no longer there.
+      changed refuses the adapter (``Unsupported``) from then on: vLLM keeps serving the
+      weights it loaded until it evicts and re-reads the adapter, which kvtier cannot
+      see, so neither the old fingerprint nor the new one is known to name the KV it
+      computes. A ``load_inplace`` reload (``forget``: vLLM reads the files again) or a
+      restart clears it.
     * A check that fails (unreadable, missing, or files changing while read) refuses the
       adapter (``Unsupported``) until a retry, after ``retry_s`` doubling per failure up
       to ``max_retry_s``; a retry that succeeds serves it again.
@@ -238,6 +244,12 @@ class AdapterFingerprints:
             entry = self._entries.get(key)
             if entry is None:
                 return PENDING
+            if entry.drifted:
+                raise Unsupported(
+                    f"LoRA adapter {name!r}: its files changed on disk after kvtier "
+                    "fingerprinted them, and vLLM may still serve the weights it loaded "
+                    "before; kvtier neither restores nor stores KV for it until it is "
+                    "reloaded with load_inplace or the server restarts")
             if entry.fingerprint is not None:
                 return entry.fingerprint
             if entry.error is None or entry.running:  # first check, or a retry, running
@@ -257,7 +269,11 @@ class AdapterFingerprints:
                 if entry.fingerprint is not None and entry.signature == sig:
                     entry.checked_at = self._clock.monotonic()
                     return
-                entry.fingerprint = None  # changed: PENDING until the new one is known
+                if entry.fingerprint is not None:  # changed under vLLM: refused
+                    entry.drifted = True
+                    entry.fingerprint = None
+                    return
+                entry.fingerprint = None  # PENDING until the new one is known
             fp = self._fingerprint(path)
             if self._signature(path) != sig:
                 raise _FilesChanged("its files changed while they were read")
