@@ -107,5 +107,5 @@ def test_kv_role_means_what_it_says(tmp_path: Path) -> None:
     again = parse_extra_config({"config": str(p), "save": True, "role": "both"}, "kv_consumer")
     assert (again.role, again.load, again.save) == ("both", True, True)
     assert parse_extra_config({"config": str(p)}).load  # no kv_role: kv_both
-    with pytest.raises(ConfigError, match="kv_connector_extra_config.load: must be true"):
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.load: must be true"):
         parse_extra_config({"config": str(p), "load": "yes"}, "kv_both")
