@@ -318,6 +318,13 @@ VLLM_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
                       "remote_host": None, "remote_port": None}
 
 
+def _restorable(prompt: list[int]) -> int:
+    """The most a decode node can be handed: every full block of the prompt but the one
+    holding its last token (vLLM computes at least one), here ``CT`` (vLLM's CPU block
+    size) at a time; on a GPU (16-token blocks) that is all but a few tokens."""
+    return (len(prompt) - 1) // CT * CT
+
+
 def _vllm_proxy_turn(client: httpx.Client, pd: PD, prompt: list[int],
                      max_tokens: int) -> httpx.Response:
     """One request through the hop vLLM's proxy makes: the prefill node first, with the
@@ -338,9 +345,10 @@ def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) 
     """Four conversations through vLLM's P/D proxy protocol (``do_remote_decode`` on the
     prefill request, its answer handed to the decode node as it is), first turns all at
     once (the decode requests race the prefill node's write-through), then two more
-    turns each: every decode computes at most 5 % of its prompt (the rest restored by
-    kvtier or, for a returning conversation, hit in its own prefix cache), and every
-    answer equals a recompute. Before, the prefill's answer named nothing the decode
+    turns each: a first turn's decode restores every full block of its prompt; a later
+    one computes only its last partial block and what its own prefix cache misses if
+    that is below the restore threshold (the rest restored by kvtier); every answer
+    equals a recompute. Before, the prefill's answer named nothing the decode
     node waited for, and first turns recomputed most of their prompts."""
     convs = {f"v{i}": _tokens(500 + 90 * i, seed=700 + i) for i in range(4)}
     refs = {c: pd.reference(p, 12)["token_ids"] for c, p in convs.items()}
@@ -354,7 +362,7 @@ def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) 
     for c, r in firsts.items():
         params = _kvtier(r)
         assert r.json()["choices"][0]["token_ids"] == refs[c], c
-        assert params["restored_tokens"] >= 0.95 * len(convs[c]), (c, params)
+        assert params["restored_tokens"] == _restorable(convs[c]), (c, params)
     last: dict[str, httpx.Response] = firsts
     for turn in (2, 3):
         for c in convs:
@@ -369,7 +377,10 @@ def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) 
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == ref, (c, turn)
             computed = after["local_compute"] - before["local_compute"]
-            assert computed <= 0.05 * len(prompt), (c, turn, computed, len(prompt))
+            # (what its own cache misses is restored unless it is below this module's
+            # THRESHOLD, which vLLM then recomputes: the configured policy)
+            assert computed < len(prompt) - _restorable(prompt) + THRESHOLD, \
+                (c, turn, computed, _kvtier(r))
             last[c] = r
 
 
