@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -230,15 +231,22 @@ def test_9_a_rank_whose_loads_fail_to_start_still_acknowledges_its_step(
 
 
 # 10 ---------------------------------------------------------------------------------
+def _with_a_short_tail(tmp_path: Path) -> tuple[Any, list[int], bytes]:
+    """A scheduler side holding a request's 1-block tail of chunk 1: the side, that
+    request's tokens and the tail's key."""
+    sched = tl._sched(tl._cfg(tmp_path))
+    one = [*range(900, 900 + tl.CT + tl.BS + 1)]
+    tl._finish(sched, tl._req("d", one))
+    short = tl._tail(one, 1, 1)
+    assert sched.store.host.indexed(short)
+    return sched, one, short
+
+
 def test_10_a_failed_longer_save_keeps_the_shorter_tail(tmp_path: Path) -> None:
     from kvtier.vllm.protocol import KVTierWorkerMetadata
 
-    sched = tl._sched(tl._cfg(tmp_path))
+    sched, one, short = _with_a_short_tail(tmp_path)
     try:
-        one = [*range(900, 900 + tl.CT + tl.BS + 1)]
-        tl._finish(sched, tl._req("d", one))  # a 1-block tail of chunk 1
-        short = tl._tail(one, 1, 1)
-        assert sched.store.host.indexed(short)
         longer = tl._req("e", [*one[: tl.CT + tl.BS], *range(1000, 1000 + tl.BS + 1)])
         sched.request_finished(longer, list(range(100, 100 + 7)))
         assert sched.store.host.indexed(short), "dropped before the longer save commits"
@@ -256,12 +264,8 @@ def test_10b_a_piece_another_request_is_saving_leaves_the_shorter_tail(
     old defect 10): if that save fails, the shorter tail is the only copy left."""
     from kvtier.vllm.protocol import KVTierWorkerMetadata
 
-    sched = tl._sched(tl._cfg(tmp_path))
+    sched, one, short = _with_a_short_tail(tmp_path)
     try:
-        one = [*range(900, 900 + tl.CT + tl.BS + 1)]
-        tl._finish(sched, tl._req("d", one))  # a 1-block tail of chunk 1
-        short = tl._tail(one, 1, 1)
-        assert sched.store.host.indexed(short)
         grown = [*one[: tl.CT + tl.BS], *range(1000, 1000 + tl.BS + 1)]
         sched.request_finished(tl._req("e", grown), list(range(100, 100 + 7)))
         sched.request_finished(tl._req("f", grown), list(range(200, 200 + 7)))
