@@ -180,21 +180,18 @@ def _type_name(tp: Any) -> str:
     return str(tp)
 
 
+#: pydantic's constraint metadata -> (how the page writes it, the attribute it holds)
+_BOUNDS: tuple[tuple[type[Any], str, str], ...] = (
+    (annotated_types.Ge, ">= ", "ge"), (annotated_types.Gt, "> ", "gt"),
+    (annotated_types.Le, "<= ", "le"), (annotated_types.Lt, "< ", "lt"),
+    (annotated_types.MinLen, "length >= ", "min_length"),
+    (annotated_types.MaxLen, "length <= ", "max_length"),
+)
+
+
 def _bounds(info: FieldInfo) -> str:
-    marks: list[str] = []
-    for meta in info.metadata:
-        if isinstance(meta, annotated_types.Ge):
-            marks.append(f">= {_number(meta.ge)}")
-        if isinstance(meta, annotated_types.Gt):
-            marks.append(f"> {_number(meta.gt)}")
-        if isinstance(meta, annotated_types.Le):
-            marks.append(f"<= {_number(meta.le)}")
-        if isinstance(meta, annotated_types.Lt):
-            marks.append(f"< {_number(meta.lt)}")
-        if isinstance(meta, annotated_types.MinLen):
-            marks.append(f"length >= {meta.min_length}")
-        if isinstance(meta, annotated_types.MaxLen):
-            marks.append(f"length <= {meta.max_length}")
+    marks = [f"{text}{_number(getattr(meta, attr))}" for meta in info.metadata
+             for kind, text, attr in _BOUNDS if isinstance(meta, kind)]
     return ", ".join(marks)
 
 
