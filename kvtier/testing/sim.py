@@ -134,6 +134,8 @@ class SimWorld:
         self._unrun: dict[str, int] = {}
         #: rank -> its outputs not reported yet (``_skewed``)
         self._held_back: dict[int, list[Any]] = {}
+        #: blocks a load failed into, until a forward writes them from their start
+        self._failed_blocks: set[int] = set()
         #: (request, rank) whose next forward checks what it attends to (a restore)
         self._attend_check: set[tuple[str, int]] = set()
         #: injected faults: rates, counts, and their own draws (``fail_copies``,
@@ -428,6 +430,7 @@ class SimWorld:
             conn.wait_for_save()
             results = conn.get_transfer_results(out.finished_req_ids)
             invalid = conn.get_block_ids_with_load_errors()
+            self._failed_blocks |= invalid
             self._check_attended(plan, rank, invalid)
             kvo = KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
@@ -532,12 +535,15 @@ class SimWorld:
             if (w.rid, rank) not in self._attend_check or w.lo == 0:
                 continue
             self._attend_check.discard((w.rid, rank))
-            if invalid and any(b in invalid for t in w.ids for b in t):
+            if any(b in self._failed_blocks for t in w.ids for b in t):
                 continue
             self._check_request(w.rid, w.lo, w.ids, rank, "its forward read")
 
     def _write(self, rank: int, ids: Sequence[Sequence[int]], hashes: np.ndarray,
                lo: int, hi: int) -> None:
+        for table in ids:  # a block whose load failed is good again once recomputed
+            self._failed_blocks.difference_update(
+                table[p // self.bs] for p in range(lo, hi) if p % self.bs == 0)
         flat = 0
         for g, names in enumerate(self.group_names):
             table = ids[g]
@@ -579,11 +585,11 @@ class SimWorld:
         # block being computed in the same step included): checked once they ran
         unrun = {(g, b) for p in self._queue if p.output is None for w in p.work
                  for g, t in enumerate(w.ids) for b in t}
-        # and blocks a step ran reports as failed loads, before vLLM processed that
-        # report (async scheduling): it recomputes them then
-        failed = {b for p in self._queue if p.output is not None
-                  for b in p.output.kv_connector_output.invalid_block_ids or ()}
-        unrun |= {(g, b) for g in range(len(self.group_names)) for b in failed}
+        # and blocks whose load failed, until a forward writes them again: vLLM
+        # recomputes them, but 0.32 lets a request that shares such a block with the one
+        # that recomputes it keep counting it as computed meanwhile (its
+        # ``_update_requests_with_invalid_blocks``: only the first sharer recomputes)
+        unrun |= {(g, b) for g in range(len(self.group_names)) for b in self._failed_blocks}
         for req in sched.running:
             if req.status != RequestStatus.RUNNING:
                 continue
