@@ -37,6 +37,11 @@ RETRY = (
 )
 
 
+#: What a compiler without OpenMP says (gcc, clang, ld), never the command line itself.
+_NO_OPENMP = ("omp.h: No such file", "'omp.h' file not found", "cannot find -lgomp",
+              "cannot find -lomp", "option '-fopenmp'", "unsupported option '-fopenmp'")
+
+
 def _warn(cause: str, fix: str) -> None:
     """The one message of a build without kvtier._C (stderr, multi-line)."""
     bar = "=" * 78
@@ -67,16 +72,16 @@ def _cause(error: BaseException) -> tuple[str, str]:
     if not runs:
         return (f"the C++ compiler {compiler!r} does not run (`{compiler} --version` fails)",
                 "Install a working one (e.g. `apt-get install g++`), or point CXX at one.")
-    if "omp.h" in text or "fopenmp" in text or "lgomp" in text:
+    if any(sign in text for sign in _NO_OPENMP):
         return ("the C++ compiler has no OpenMP",
                 "Install the compiler's OpenMP support (libgomp, e.g. `apt-get install g++`).")
-    if "mismatches the version that was used to compile PyTorch" in text:
-        return ("the CUDA toolkit (nvcc) does not match torch's CUDA "
-                f"({text.strip().splitlines()[-1]})",
+    if isinstance(error, RuntimeError) and "mismatches the version" in text:
+        detail = error.args[0] % error.args[1:] if len(error.args) == 3 else text
+        return (f"the CUDA toolkit (nvcc) does not match torch's CUDA ({detail})",
                 "Use the nvcc of torch's CUDA version (CUDA_HOME), or KVTIER_BUILD_CUDA=0 "
                 "for a CPU-only build.")
     return (f"the compile or link failed ({type(error).__name__}):\n{tail}",
-            "The compiler's output above says why.")
+            "The compiler's output (its last lines above) says why.")
 
 
 def _want_cuda(torch: Any) -> bool:

@@ -288,3 +288,25 @@ def test_an_isolated_build_says_no_build_isolation(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "torch is not importable" in done.stderr
     assert "isolated" in done.stderr and "--no-build-isolation" in done.stderr
+
+
+def test_the_build_message_names_the_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Each cause by what the toolchain says, not by the command line it ran."""
+    import runpy
+
+    from torch.utils.cpp_extension import CUDA_MISMATCH_MESSAGE
+
+    monkeypatch.chdir(_sources(tmp_path))
+    monkeypatch.setenv("KVTIER_NATIVE", "0")  # setup() builds nothing
+    monkeypatch.setattr(sys, "argv", ["setup.py", "--version"])
+    cause = runpy.run_path("setup.py")["_cause"]
+    capsys.readouterr()
+    generic = cause(RuntimeError("FAILED: ops.o\nc++ -fopenmp -c ops.cpp\nops.cpp:1: error: x"))
+    assert "the compile or link failed" in generic[0] and "error: x" in generic[0]
+    no_omp = cause(RuntimeError("ops.cpp:1: fatal error: omp.h: No such file or directory"))
+    assert "no OpenMP" in no_omp[0]
+    mismatch = cause(RuntimeError(CUDA_MISMATCH_MESSAGE, "12.1", "12.8"))
+    assert "(12.1)" in mismatch[0] and "KVTIER_BUILD_CUDA=0" in mismatch[1]
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert "no C++ compiler" in cause(RuntimeError("x"))[0]
