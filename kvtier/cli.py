@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: check a config, inspect and collect tiers.
+"""The ``kvtier`` command: check the install, check a config, inspect and collect tiers.
 
 Exit codes: 0 success; 1 a check failed (data mismatch); 2 bad usage or invalid config;
 3 a resource is unusable (memory, directory, bucket).
@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from kvtier import router
+from kvtier import doctor, router
 from kvtier.build import build_lower_tiers, build_store
 from kvtier.clock import SYSTEM_CLOCK
 from kvtier.config import ConfigError, KVTierConfig, S3Config, load_config
@@ -165,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--expired", action="store_true",
                            help="also remove objects past retention.lease_seconds")
         s.set_defaults(fn=fn)
+    d = sub.add_parser("doctor", help="check this environment: Python, vLLM, torch, CUDA, "
+                       "kvtier._C, pinned memory, /dev/shm (exit 1 if something is missing)")
+    doctor.add_arguments(d)
     r = sub.add_parser("router", help="proxy OpenAI requests to prefill and decode vLLM servers")
     router.add_arguments(r)  # no positional config: the router's --tiers is optional
     return p
@@ -177,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "router":
             return router.serve(args)
+        if args.command == "doctor":
+            return doctor.run(args)
         cfg = load_config(args.config)
         rc: int = args.fn(cfg, args)
         return rc

@@ -9,21 +9,32 @@ Two failures are told apart and never confused:
   upgrade, missing library, missing ops). That is always a ``NativeBrokenError`` carrying
   the original error, whatever the mode: a stale build must not be silently bypassed.
 
-Invariant: the module is imported at most once per process (``native_status`` caches).
+Invariant: the module is imported at most once per process (``native_status`` caches),
+and a missing build is said once per process, loudly: ``native_status``'s first call logs
+a WARNING to ``kvtier.ops`` naming how to build it (unless ``KVTIER_NATIVE=0`` says the
+extension was left out on purpose). pip hides the build's own message unless ``-v``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+log = logging.getLogger("kvtier.ops")
+
 MODULE = "kvtier._C"
-BUILD_HINT = "run `make native` (python setup.py build_ext --inplace)"
+BUILD_HINT = (
+    "run `make native` (python setup.py build_ext --inplace) in an editable checkout, or "
+    "reinstall: pip install --no-build-isolation --force-reinstall --no-deps <checkout>; "
+    "`kvtier doctor` checks the install"
+)
 
 
 class NativeBrokenError(RuntimeError):
@@ -68,5 +79,10 @@ def load_native(importer: Callable[[str], ModuleType] = importlib.import_module)
 
 @functools.cache
 def native_status() -> NativeStatus:
-    """``load_native()`` once per process."""
-    return load_native()
+    """``load_native()`` once per process; a missing build is logged once as a warning."""
+    status = load_native()
+    if not status.available and os.environ.get("KVTIER_NATIVE") != "0":
+        log.warning("%s. kvtier runs its torch reference ops instead: correct, but the "
+                    "host<->device copies are slower (the scatter is 14-40x slower on CPU)",
+                    status.detail)
+    return status
