@@ -23,7 +23,7 @@ $(STAMPS)/venv: pyproject.toml setup.py
 	@touch $@
 
 native: $(STAMPS)/venv
-	$(PY) setup.py -q build_ext --inplace
+	KVTIER_NATIVE=1 $(PY) setup.py -q build_ext --inplace  # a failed build fails here
 
 # Compile-only check of the .cu sources with the nvcc on PATH (torch here is CPU-only).
 # Re-run only when a native source changes.
