@@ -104,7 +104,7 @@ class StreamedLoad:
         self.staged_ms = 0.0
         self.failed_at = -1  # the entry it could not read, once it failed
         #: a copy op of this request went out: the worker knows it and reports it
-        #: received (``told_worker``); until then a stream that ends must tell it
+        #: received; until then a stream that ends must tell it (``cancel``)
         self.told = False
 
     @property
@@ -174,8 +174,7 @@ class StreamedLoad:
         if room is not None:
             free = min(free, room)
         if free > 0:
-            room = free
-            n = min(room, self.remaining)
+            n = min(free, self.remaining)
             self.progress = self._new_progress()
             head = Lookup(self.found.keys[self.next : self.next + n],
                           self.found.tiers[self.next : self.next + n])

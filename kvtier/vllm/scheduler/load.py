@@ -162,8 +162,8 @@ class Loads(RequestKeys):
         self._async_blocks[rid] = nblocks
         self._recving.add(rid)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        # reported once the worker has it all (``_confirm``): an asynchronous load can
-        # still fail
+        # reported once the worker has it all (``_unconfirmed``, ``on_worker_output``): an
+        # asynchronous load can still fail
         self._unconfirmed[rid] = (by_tier, staged_ms)
         log.info("kvtier: restoring %d tokens for %s from %d pieces of %d KV-cache groups "
                  "(%s), staged in %.1f ms", num_external, rid, len(lk.pieces),
@@ -245,7 +245,7 @@ class Loads(RequestKeys):
                             "vLLM recomputes it", rid,
                             "finish reading" if out.stalled else "read", st.failed_at + 1,
                             st.found.hits)
-            elif out.ended:  # reported once the worker has it all (``_confirm``)
+            elif out.ended:  # reported once the worker has it all (``_unconfirmed``)
                 self._unconfirmed[rid] = (st.by_tier, st.staged_ms)
             if out.ended:
                 del self._streams[rid]
