@@ -231,8 +231,16 @@ def _play(world: SimWorld, rng: random.Random, report: SimReport, arrivals: int,
             break
         step(1)
     else:
-        stuck = sorted((r.request_id, r.status.name) for r in world.scheduler.requests.values())
-        raise Violation(f"not idle after {DRAIN_STEPS} drain steps: {stuck[:6]}")
+        side = world.connector.scheduler_side
+        stuck = sorted(
+            (r.request_id, r.status.name, f"{r.num_computed_tokens}/{r.num_tokens} computed",
+             f"{len(world.outputs.get(r.request_id, []))}/{r.max_tokens} out",
+             f"{r.num_preemptions} preemptions")
+            for r in world.scheduler.requests.values())
+        raise Violation(f"not idle after {DRAIN_STEPS} drain steps: {stuck[:6]}; "
+                        f"{world.preemptions} preemptions, save streams "
+                        f"{sorted(side._save_streams)}, streams {sorted(side._streams)}, "
+                        f"{side.store.host.index.num_held()} host slots held")
     check_quiescent(world)
 
 
