@@ -311,79 +311,6 @@ def test_a_swarm_on_a_new_prefix_each_decode_restores_its_own_suffix(pd: PD) -> 
         assert params["restored_tokens"] >= 256, (i, params)
 
 
-#: What vLLM's own P/D proxy (its disaggregation tests' toy proxy) and llm-d's routing
-#: sidecar put in the prefill request (with ``max_tokens: 1``, not streamed).
-VLLM_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
-                      "remote_engine_id": None, "remote_block_ids": None,
-                      "remote_host": None, "remote_port": None}
-
-
-def _restorable(prompt: list[int]) -> int:
-    """The most a decode node can be handed: every full block of the prompt but the one
-    holding its last token (vLLM computes at least one), here ``CT`` (vLLM's CPU block
-    size) at a time; on a GPU (16-token blocks) that is all but a few tokens."""
-    return (len(prompt) - 1) // CT * CT
-
-
-def _vllm_proxy_turn(client: httpx.Client, pd: PD, prompt: list[int],
-                     max_tokens: int) -> httpx.Response:
-    """One request through the hop vLLM's proxy makes: the prefill node first, with the
-    protocol's params and one output token; then the decode node with whatever
-    ``kv_transfer_params`` the prefill answered (nothing kvtier-specific added)."""
-    first = client.post(pd.prefill.url + "/v1/completions", json={
-        **BASE, "prompt": prompt, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": VLLM_PROXY_PREFILL})
-    assert first.status_code == 200, first.text
-    body: dict[str, Any] = {**BASE, "prompt": prompt, "max_tokens": max_tokens}
-    handed = first.json().get("kv_transfer_params")
-    if handed:
-        body["kv_transfer_params"] = handed
-    return client.post(pd.decode.url + "/v1/completions", json=body)
-
-
-def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) -> None:
-    """Four conversations through vLLM's P/D proxy protocol (``do_remote_decode`` on the
-    prefill request, its answer handed to the decode node as it is), first turns all at
-    once (the decode requests race the prefill node's write-through), then two more
-    turns each: a first turn's decode restores every full block of its prompt; a later
-    one computes only its last partial block and what its own prefix cache misses if
-    that is below the restore threshold (the rest restored by kvtier); every answer
-    equals a recompute. Before, the prefill's answer named nothing the decode
-    node waited for, and first turns recomputed most of their prompts."""
-    convs = {f"v{i}": _tokens(500 + 90 * i, seed=700 + i) for i in range(4)}
-    refs = {c: pd.reference(p, 12)["token_ids"] for c, p in convs.items()}
-
-    def first_turn(c: str) -> httpx.Response:
-        with httpx.Client(timeout=300) as client:
-            return _vllm_proxy_turn(client, pd, convs[c], 12)
-
-    with ThreadPoolExecutor(len(convs)) as pool:
-        firsts = dict(zip(convs, pool.map(first_turn, convs), strict=True))
-    for c, r in firsts.items():
-        params = _kvtier(r)
-        assert r.json()["choices"][0]["token_ids"] == refs[c], c
-        assert params["restored_tokens"] == _restorable(convs[c]), (c, params)
-    last: dict[str, httpx.Response] = firsts
-    for turn in (2, 3):
-        for c in convs:
-            out = last[c].json()["choices"][0]["token_ids"]
-            convs[c] = convs[c] + out + _tokens(60, seed=_follow_up(c, turn))
-        last = {}
-        for c, prompt in convs.items():
-            ref = pd.reference(prompt, 12)["token_ids"]
-            before = pd.prompt_tokens(pd.decode)
-            r = _vllm_proxy_turn(pd.client, pd, prompt, 12)
-            after = pd.prompt_tokens(pd.decode)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == ref, (c, turn)
-            computed = after["local_compute"] - before["local_compute"]
-            # (what its own cache misses is restored unless it is below this module's
-            # THRESHOLD, which vLLM then recomputes: the configured policy)
-            assert computed < len(prompt) - _restorable(prompt) + THRESHOLD, \
-                (c, turn, computed, _kvtier(r))
-            last[c] = r
-
-
 def test_expired_lease_recomputes_and_renewal_keeps_a_conversation(pd: PD) -> None:
     first = {c: _tokens(600, seed=s) for c, s in (("expire", 5), ("renew", 6))}
     seconds = {}
@@ -516,6 +443,81 @@ def test_selective_pd_and_tenants_on_the_same_servers(pd: PD, tmp_path: Path) ->
             f"the flood reached the backends ({seconds:.1f} s of flood)"
 
 
+#: What vLLM's own P/D proxy (its disaggregation tests' toy proxy) and llm-d's routing
+#: sidecar put in the prefill request (with ``max_tokens: 1``, not streamed).
+VLLM_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "remote_engine_id": None, "remote_block_ids": None,
+                      "remote_host": None, "remote_port": None}
+
+
+def _restorable(prompt: list[int]) -> int:
+    """The most a decode node can be handed: every full block of the prompt but the one
+    holding its last token (vLLM computes at least one), here ``CT`` (vLLM's CPU block
+    size) at a time; on a GPU (16-token blocks) that is all but a few tokens."""
+    return (len(prompt) - 1) // CT * CT
+
+
+def _vllm_proxy_turn(client: httpx.Client, pd: PD, prompt: list[int],
+                     max_tokens: int) -> httpx.Response:
+    """One request through the hop vLLM's proxy makes: the prefill node first, with the
+    protocol's params and one output token; then the decode node with whatever
+    ``kv_transfer_params`` the prefill answered (nothing kvtier-specific added)."""
+    first = client.post(pd.prefill.url + "/v1/completions", json={
+        **BASE, "prompt": prompt, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": VLLM_PROXY_PREFILL})
+    assert first.status_code == 200, first.text
+    body: dict[str, Any] = {**BASE, "prompt": prompt, "max_tokens": max_tokens}
+    handed = first.json().get("kv_transfer_params")
+    if handed:
+        body["kv_transfer_params"] = handed
+    return client.post(pd.decode.url + "/v1/completions", json=body)
+
+
+def test_vllms_pd_proxy_protocol_restores_every_turn_on_the_decode_node(pd: PD) -> None:
+    """Four conversations through vLLM's P/D proxy protocol (``do_remote_decode`` on the
+    prefill request, its answer handed to the decode node as it is), first turns all at
+    once (the decode requests race the prefill node's write-through), then two more
+    turns each: a first turn's decode restores every full block of its prompt; a later
+    one computes only its last partial block and what its own prefix cache misses if
+    that is below the restore threshold (the rest restored by kvtier); every answer
+    equals a recompute. Before, the prefill's answer named nothing the decode node
+    waited for, and first turns recomputed most of their prompts. (After the selective
+    test: its dozen turns fill the shared tier, which a router started later must scan
+    before its prices know them; before the faults test, which stops a server.)"""
+    convs = {f"v{i}": _tokens(500 + 90 * i, seed=700 + i) for i in range(4)}
+    refs = {c: pd.reference(p, 12)["token_ids"] for c, p in convs.items()}
+
+    def first_turn(c: str) -> httpx.Response:
+        with httpx.Client(timeout=300) as client:
+            return _vllm_proxy_turn(client, pd, convs[c], 12)
+
+    with ThreadPoolExecutor(len(convs)) as pool:
+        firsts = dict(zip(convs, pool.map(first_turn, convs), strict=True))
+    for c, r in firsts.items():
+        params = _kvtier(r)
+        assert r.json()["choices"][0]["token_ids"] == refs[c], c
+        assert params["restored_tokens"] == _restorable(convs[c]), (c, params)
+    last: dict[str, httpx.Response] = firsts
+    for turn in (2, 3):
+        for c in convs:
+            out = last[c].json()["choices"][0]["token_ids"]
+            convs[c] = convs[c] + out + _tokens(60, seed=_follow_up(c, turn))
+        last = {}
+        for c, prompt in convs.items():
+            ref = pd.reference(prompt, 12)["token_ids"]
+            before = pd.prompt_tokens(pd.decode)
+            r = _vllm_proxy_turn(pd.client, pd, prompt, 12)
+            after = pd.prompt_tokens(pd.decode)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref, (c, turn)
+            computed = after["local_compute"] - before["local_compute"]
+            # (what its own cache misses is restored unless it is below this module's
+            # THRESHOLD, which vLLM then recomputes: the configured policy)
+            assert computed < len(prompt) - _restorable(prompt) + THRESHOLD, \
+                (c, turn, computed, _kvtier(r))
+            last[c] = r
+
+
 def test_router_faults_get_a_clear_status(pd: PD) -> None:
     url = pd.router_url + "/v1/completions"
     r = pd.client.post(url, content=b"{not json")
@@ -531,4 +533,3 @@ def test_router_faults_get_a_clear_status(pd: PD) -> None:
     r = pd.turn("after-kill", _tokens(50, seed=9), 4)
     assert r.status_code in (502, 503) and time.monotonic() - t0 < 30
     assert pd.client.get(pd.router_url + "/health").status_code == 503
-
