@@ -351,8 +351,7 @@ class SimWorld:
         try:
             while any(self._held_back.values()):
                 self.steps += 1
-                plan = self._schedule()
-                self._process(plan, self._execute(plan))
+                self._step_sync()
         finally:
             self.tp_skew = skew
 
@@ -368,11 +367,15 @@ class SimWorld:
         self.steps += 1
         self._settle()
         if not self.async_scheduling:
-            plan = self._schedule()
-            self._process(plan, self._execute(plan))
+            self._step_sync()
         else:
             self._step_async()
         self.clock.advance(self.step_seconds)
+
+    def _step_sync(self) -> None:
+        """Schedule, run the model, process its output: one step, nothing in flight."""
+        plan = self._schedule()
+        self._process(plan, self._execute(plan))
 
     def _step_async(self) -> None:
         queue = self._queue

@@ -193,8 +193,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                         loads=settings.load, saves=settings.save)
             kv_events = getattr(vllm_config, "kv_events_config", None)
             hashed_by = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
-            if kv_events is not None and kv_events.enable_kv_cache_events \
-                    and hashed_by != geometry.block_size:
+            events_on = kv_events is not None and kv_events.enable_kv_cache_events
+            if events_on and hashed_by != geometry.block_size:
                 # vLLM's block hashes (its events name them) then cover hash_block_size
                 # tokens each, not one block: kvtier's events would name the wrong ones
                 logging.getLogger("kvtier.vllm.events").warning(
@@ -203,7 +203,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     "name one hash per block. vLLM's own GPU events are unaffected; to "
                     "publish kvtier's tiers too, leave the prefix match unit at the block "
                     "size", hashed_by, geometry.block_size)
-            elif kv_events is not None and kv_events.enable_kv_cache_events:
+            elif events_on:
                 self._events = events_for(self._sched, kv_cache_config)
                 # a finishing request's tails, windows and hybrid pieces, as saved
                 self._sched.on_pieces = self._events.note_pieces

@@ -98,10 +98,6 @@ class StreamedLoad:
         self.emitted: list[Held] = []
         #: the tokens it restores, [from, to): what a stalled read's bound is set by
         self.span_tokens = (0, 0)
-        #: tokens it restores by tier name, and the ms its first entries took to stage:
-        #: reported (metrics, ``kv_transfer_params``) once it ends without failing
-        self.by_tier: dict[str, int] = {}
-        self.staged_ms = 0.0
         self.failed_at = -1  # the entry it could not read, once it failed
         #: a copy op of this request went out: the worker knows it and reports it
         #: received; until then a stream that ends must tell it (``cancel``)
@@ -182,12 +178,6 @@ class StreamedLoad:
             self.future = store.load(head, self.specs[self.next : self.next + n],
                                      self.progress)
         return out
-
-    def fail(self) -> Advance:
-        """End the stream now with a load that fails on purpose (a weights reset: what it
-        reads was computed with the old weights); vLLM recomputes the request."""
-        self.cancel()
-        return self._fail(Advance())
 
     def _fail(self, out: Advance) -> Advance:
         out.ops.append(CopyOp(self.rid, -1, [], 0, 0))  # the worker fails it: recompute

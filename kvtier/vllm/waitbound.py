@@ -79,10 +79,7 @@ class WaitBound:
         (most prompts of a busy node); on a tier that has just stopped answering, the
         first prompts after the hang started are no exception (the breaker and the
         suspect window only learn of the hang from the first wait that runs out)."""
-        if not self.steps.warm:
-            return configured_s
-        return min(configured_s, max(self.floor_s,
-                                     self.steps.recompute_seconds(0, at_stake)))
+        return self.seconds(configured_s, 0, at_stake)  # no ``now``: suspect or not
 
     def seconds(self, configured_s: float, start_tokens: int, end_tokens: int,
                 now: float | None = None) -> float:

@@ -61,11 +61,13 @@ class Loads(RequestKeys):
                  sum(n for _, n in lk.parts), tier, staged_ms)
 
     def _loaded(self, rid: str, by_tier: dict[str, int], staged_ms: float,
-                nblocks: int) -> None:
-        """A synchronous-shaped restore's copy ops are out: counted as restored now, or,
-        where every restore is an asynchronous load (``async_restores``), once the
-        worker reports it received (``_unconfirmed``): its request waits for that."""
-        if not self.async_restores:
+                nblocks: int, *, asynchronous: bool = False) -> None:
+        """A restore's copy ops are out (a stream's first ones): a synchronous one is
+        counted as restored now; an asynchronous one (a hybrid model's, a stream, or
+        any where vLLM overlaps steps: ``async_restores``) holds its request until the
+        worker reports it received, and counts as restored only then
+        (``_unconfirmed``, ``on_worker_output``): it can still fail."""
+        if not (asynchronous or self.async_restores):
             record_restore(by_tier)
             self._restored[rid] = (by_tier, staged_ms)
             return
@@ -159,12 +161,8 @@ class Loads(RequestKeys):
         if first_full is None:  # a window-only model: its window restores the whole prefix
             tier = self.store.tiers[max(lk.held.from_tier)].name
             by_tier = {tier: num_external}
-        self._async_blocks[rid] = nblocks
-        self._recving.add(rid)
         staged_ms = (time.perf_counter() - lk.t0) * 1e3
-        # reported once the worker has it all (``_unconfirmed``, ``on_worker_output``): an
-        # asynchronous load can still fail
-        self._unconfirmed[rid] = (by_tier, staged_ms)
+        self._loaded(rid, by_tier, staged_ms, nblocks, asynchronous=True)
         log.info("kvtier: restoring %d tokens for %s from %d pieces of %d KV-cache groups "
                  "(%s), staged in %.1f ms", num_external, rid, len(lk.pieces),
                  len(self.geom.groups), ", ".join(f"{t} {n}" for t, n in by_tier.items()),
@@ -198,21 +196,18 @@ class Loads(RequestKeys):
             st.hand_out(lk.held, out)
         self._streams[rid] = st
         self._take(rid, out)
-        self._recving.add(rid)
-        self._async_blocks[rid] = hi_blk - lo_blk
         by_tier: dict[str, int] = {}
         for idx, tier in enumerate(found.tiers):
             copy = copies[idx]
             if copy is not None:
                 name = self.store.tiers[tier].name
                 by_tier[name] = by_tier.get(name, 0) + len(copy.block_ids) * self.bs
-        # reported once the last chunk is handed out (a stream that fails restores
-        # nothing: vLLM recomputes the request)
-        st.by_tier, st.staged_ms = by_tier, (time.perf_counter() - lk.t0) * 1e3
+        staged_ms = (time.perf_counter() - lk.t0) * 1e3
+        self._loaded(rid, by_tier, staged_ms, hi_blk - lo_blk, asynchronous=True)
         log.info("kvtier: streaming %d tokens for %s (%s) through %d host slots; first "
                  "%d chunks staged in %.1f ms", (hi_blk - lo_blk) * self.bs, rid,
                  ", ".join(f"{t} {n}" for t, n in by_tier.items()), st.window,
-                 first, st.staged_ms)
+                 first, staged_ms)
 
     def _take(self, rid: str, out: Advance) -> None:
         """A stream's step: its ops and holds go out with the next metadata."""
@@ -245,7 +240,5 @@ class Loads(RequestKeys):
                             "vLLM recomputes it", rid,
                             "finish reading" if out.stalled else "read", st.failed_at + 1,
                             st.found.hits)
-            elif out.ended:  # reported once the worker has it all (``_unconfirmed``)
-                self._unconfirmed[rid] = (st.by_tier, st.staged_ms)
             if out.ended:
                 del self._streams[rid]

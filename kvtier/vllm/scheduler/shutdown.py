@@ -52,8 +52,8 @@ class Shutdown(SchedulerState):
             log.info("kvtier: reset: ending the streamed restore of %s (vLLM recomputes it)",
                      rid)
             del self._streams[rid]
-            self._loads.extend(stream.fail().ops)
-            self._async_reqs.append(rid)
+            stream.cancel()
+            self._tell_ended(rid)
         if self.role != "both":
             log.warning("kvtier: %s node: after this weights reset it shares KV with no "
                         "node that has not reset with it (the epoch is this engine's "

@@ -202,11 +202,12 @@ class SchedulerState:
             lk.future.add_done_callback(release_when_done)
 
     def _tell_ended(self, rid: str) -> None:
-        """The asynchronous load of ``rid`` (in ``_recving``) ends before the worker was
-        sent any op of it: send one that fails on purpose, so that the worker reports
-        the request received (and failed) and vLLM frees it. Without it vLLM waits
-        for the report for the engine's life (a request aborted in
-        ``WAITING_FOR_REMOTE_KVS`` is freed only when its load is reported)."""
+        """End the asynchronous load of ``rid`` (in ``_recving``) with an op that fails
+        on purpose: the worker reports the request received, and failed (vLLM recomputes
+        it, or frees it if it was aborted). A stream cancelled before the worker was sent
+        any op of it needs this, or vLLM waits for the report for the engine's life (a
+        request aborted in ``WAITING_FOR_REMOTE_KVS`` is freed only then); so does one
+        whose KV must not be delivered (a weights reset)."""
         self._loads.append(CopyOp(rid, -1, [], 0, 0))
         self._async_reqs.append(rid)
 
