@@ -52,7 +52,12 @@ def env(ceph: CephCluster) -> Iterator[tuple[SchedulerSide, Path, ManualClock]]:
     clock = ManualClock()
     store = build_store(cfg, GEOM.chunk_bytes(CT), clock=clock)
     sched = SchedulerSide(cfg, GEOM, NS, None, store=store, clock=clock)
+    # The store's start scan ends before the other node writes: a scan that met some of
+    # its chunks would index them, and the test would then restore (and wait on) a
+    # chunk instead of asking the lower tier about all three
     try:
+        tier = store.lower[0].tier
+        assert isinstance(tier, FileTier) and tier.wait_indexed(RECOVERY_S)
         yield sched, root, clock
     finally:
         ceph.resume("mds", "osd")
