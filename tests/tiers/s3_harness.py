@@ -20,6 +20,17 @@ from kvtier.tiers.s3 import S3Tier
 from tests.tiers.harness import TierHarness
 
 BUCKET = "kvtier-tests"
+
+
+def moto_honours() -> tuple[bool, ...]:
+    """What the installed moto honours, as kvtier's probe finds it: (put If-None-Match,
+    complete If-None-Match, DeleteObject If-Match, DeleteObjects ETag, CopyObject
+    CopySourceIfMatch). moto 5.2.6 began checking DeleteObjects' per-object ETag; the
+    project pins moto (constraints/dev.txt), and this follows the pin when it moves."""
+    from importlib.metadata import version
+
+    release = tuple(int(p) for p in version("moto").split(".")[:3] if p.isdigit())
+    return (True, True, True, release >= (5, 2, 6), False)
 _shared: dict[str, str] = {}
 _prefixes = itertools.count()
 

@@ -27,7 +27,14 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier.tiers.s3caps import Conditionals, Mode, probe
 from kvtier.tiers.s3io import MiB
 from tests.tiers.harness import make_key, meta_for, payload_for
-from tests.tiers.s3_harness import BUCKET, fresh_prefix, raw_client, rgw_endpoint, shared_endpoint
+from tests.tiers.s3_harness import (
+    BUCKET,
+    fresh_prefix,
+    moto_honours,
+    raw_client,
+    rgw_endpoint,
+    shared_endpoint,
+)
 
 pytestmark = pytest.mark.s3
 N = 4096
@@ -37,7 +44,7 @@ BIG = 12 * MiB + 123  # three 5 MiB parts
 #: What each server honours, as the probe finds it:
 #: (put If-None-Match, complete If-None-Match, DeleteObject If-Match, DeleteObjects ETag,
 #: CopyObject CopySourceIfMatch).
-MOTO = (True, True, True, False, False)
+MOTO = moto_honours()
 RGW = (True, False, False, False, False)
 
 
@@ -102,12 +109,14 @@ def _read(tier: S3Tier, key: ChunkKey, n: int) -> np.ndarray | None:
 
 def _before(client: Any, op: str, name: str, act: Callable[[], object], *, skip: int = 0) -> None:
     """Run ``act`` once, right before ``client``'s ``skip + 1``-th ``op`` request on object
-    ``name`` is built (a botocore event: the request then sees what ``act`` did)."""
+    ``name`` (or, for DeleteObjects, on a batch that names it) is built (a botocore event:
+    the request then sees what ``act`` did)."""
     seen = [0]
     lock = threading.Lock()
 
     def handler(params: dict[str, Any], **_: Any) -> None:
-        if params.get("Key") != name:
+        batch = params.get("Delete", {}).get("Objects", [])
+        if params.get("Key") != name and all(o.get("Key") != name for o in batch):
             return
         with lock:
             seen[0] += 1
@@ -280,8 +289,10 @@ def test_an_expired_object_replaced_right_before_its_delete_is_kept(
     for key in (doomed, kept):
         assert tier.put(meta_for(key, N), payload_for(key, N).data) is PutStatus.STORED
     clock.advance(LEASE + 100)
-    # HEAD 1 decides (expired); then the conditional DELETE, or HEAD 2 standing in for it.
-    op, skip = ("DeleteObject", 0) if server.honours[2] else ("HeadObject", 1)
+    # HEAD 1 decides (expired); then the conditional batch, the conditional DELETE, or HEAD 2
+    # standing in for it.
+    op, skip = (("DeleteObjects", 0) if server.honours[3] else
+                ("DeleteObject", 0) if server.honours[2] else ("HeadObject", 1))  # fmt: skip
     _before(tier.io.client, op, name, _replace_keeping_stamp(raw, name, kept, 2 * N), skip=skip)
     assert tier.expire(LEASE) == 1
     assert tier.contains_prefix([doomed]) == 0
