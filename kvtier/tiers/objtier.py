@@ -124,6 +124,7 @@ class ObjectTier:
         self._index_threads = index_threads
         self._closing = threading.Event()  # set by close: the start scan stops
         self._faulting = False  # log the first fault of an outage; count the rest
+        self._said: set[tuple[str, str]] = set()  # persistent faults logged (op, kind)
         self.index_seconds: float | None = None  # how long the start scan took
         #: Told each key this node's ``put`` wrote (``STORED``; not objects other nodes
         #: wrote, found by the scan or walk): the KV event stream publishes a shared
@@ -199,9 +200,15 @@ class ObjectTier:
     # -- small helpers -------------------------------------------------------------------
     def _fault(self, op: str, e: Exception) -> None:
         self.metrics.error(op)
+        if getattr(e, "persistent", False):  # a setting, not an outage: said once
+            if (op, type(e).__name__) not in self._said:
+                self._said.add((op, type(e).__name__))
+                log.error("%s: %s failed: %s (counted in kvtier_tier_errors_total; logged "
+                          "once)", self._name, op, e)
+            return
         if not self._faulting:
-            log.warning("%s: %s failed (%s); counting, not logging, until it recovers",
-                        self._name, op, type(e).__name__)
+            log.warning("%s: %s failed (%s: %s); counting, not logging, until it recovers",
+                        self._name, op, type(e).__name__, str(e)[:300])
         self._faulting = True
 
     def _used(self) -> int:

@@ -213,7 +213,10 @@ class _Probe:
         )
         if isinstance(answer, ClientError):
             return False
-        refused = [err for err in answer.get("Errors", []) if err.get("Key") == name]
+        # only a precondition failure is the condition honoured: any other per-key error
+        # (AccessDenied: credentials without s3:DeleteObject) says nothing of it
+        refused = [err for err in answer.get("Errors", [])
+                   if err.get("Key") == name and err.get("Code") == PRECONDITION_FAILED]
         return bool(refused) and self.exists(name)
 
     def copy_if_match(self) -> bool:
@@ -272,6 +275,26 @@ class Removal:
 
 
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
+PRECONDITION_FAILED = "PreconditionFailed"
+
+
+class DeleteRefused(Exception):
+    """DeleteObjects answered per-key errors other than a failed precondition (the
+    victims it names were not deleted): a fault of the collection or expiry that asked.
+    ``persistent``: a setting (a policy, missing permissions), not an outage; the tier
+    logs it once and counts every occurrence."""
+
+    persistent = True
+
+    def __init__(self, errors: Sequence[dict[str, str]]) -> None:
+        codes = sorted({e.get("Code", "?") for e in errors})
+        first = errors[0]
+        hint = (" (the credentials need s3:DeleteObject on the bucket)"
+                if "AccessDenied" in codes else "")
+        super().__init__(
+            f"DeleteObjects refused {len(errors)} object(s): {', '.join(codes)}{hint}; "
+            f"first: {first.get('Key', '?')}: {first.get('Message', '')}")
+        self.errors = list(errors)
 
 
 class Deleter:
@@ -287,12 +310,15 @@ class Deleter:
         versioned = [v for v in victims if v.etag]
         outcomes: dict[str, Outcome] = {}
         fault: Exception | None = None
+        refused: list[dict[str, str]] = []
         try:
-            self._batch(plain, outcomes)
+            refused += self._batch(plain, outcomes)
             if self.caps.batch_delete_etag:
-                self._batch(versioned, outcomes)
+                refused += self._batch(versioned, outcomes)
         except S3_ERRORS as e:
             return Removal(outcomes, e)
+        if refused:
+            fault = DeleteRefused(refused)
         if versioned and not self.caps.batch_delete_etag:
             got_all = self.io.parallel(self._one, versioned, background=True)
             for v, got in zip(versioned, got_all, strict=True):
@@ -306,16 +332,31 @@ class Deleter:
         """One victim, never raising: an endpoint fault is returned."""
         return self._one(victim)
 
-    def _batch(self, victims: Sequence[Victim], outcomes: dict[str, Outcome]) -> None:
+    def _batch(self, victims: Sequence[Victim],
+               outcomes: dict[str, Outcome]) -> list[dict[str, str]]:
+        """DeleteObjects ``victims``, 1,000 a call. A per-key ``PreconditionFailed`` is a
+        victim replaced since (kept); any other per-key error (``AccessDenied``, ...) is
+        returned, and that victim gets no outcome (a fault, not "kept": credentials that
+        may not delete must not look like a tier whose objects are all in use)."""
+        refused: list[dict[str, str]] = []
         for i in range(0, len(victims), _DELETE_BATCH):
             batch = victims[i : i + _DELETE_BATCH]
             objs = [{"Key": v.name, "ETag": v.etag} if v.etag else {"Key": v.name} for v in batch]
             r = self.io.client.delete_objects(
                 Bucket=self.io.bucket, Delete={"Objects": objs, "Quiet": True}
             )
-            kept = {err["Key"] for err in r.get("Errors", [])}  # e.g. replaced since
-            outcomes.update((v.name, Outcome.KEPT if v.name in kept else Outcome.DELETED)
-                            for v in batch)  # fmt: skip
+            errors = {err.get("Key", ""): err for err in r.get("Errors", [])}
+            for v in batch:
+                err = errors.get(v.name)
+                if err is None:
+                    outcomes[v.name] = Outcome.DELETED
+                elif err.get("Code") == PRECONDITION_FAILED:
+                    outcomes[v.name] = Outcome.KEPT
+                elif err.get("Code") in _GONE:
+                    outcomes[v.name] = Outcome.GONE
+                else:
+                    refused.append(err)
+        return refused
 
     def _one(self, v: Victim) -> Outcome | Exception:
         cond: dict[str, str] = {}
@@ -330,7 +371,7 @@ class Deleter:
                     return Outcome.KEPT
             self.io.client.delete_object(Bucket=self.io.bucket, Key=v.name, **cond)
         except ClientError as e:
-            if code(e) == "PreconditionFailed":
+            if code(e) == PRECONDITION_FAILED:
                 return Outcome.KEPT
             return Outcome.GONE if code(e) in _GONE else e
         except S3_ERRORS as e:

@@ -360,3 +360,44 @@ def test_two_nodes_putting_and_collecting_at_once_leave_only_exact_objects(
     for key in survivors:
         np.testing.assert_array_equal(_read(reader, key, N), payload_for(key, N))
     assert reader.metrics.counts.corruptions == 0
+
+
+# -- deletes the credentials may not make --------------------------------------------------
+@pytest.mark.ceph
+def test_a_delete_the_credentials_may_not_make_is_a_counted_fault_said_once(
+    request: pytest.FixtureRequest, tiers: list[S3Tier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket policy that denies ``s3:DeleteObject`` (or credentials without it):
+    DeleteObjects answers 200 with a per-key ``AccessDenied``. That is a fault, counted
+    and logged once with the permission to grant, not a "kept" object (which would let
+    collection free nothing in silence while the bucket grows past capacity), and the
+    probe does not take it for an honoured ETag condition (only 412 is)."""
+    import json
+
+    endpoint = rgw_endpoint(request)
+    raw = raw_client(endpoint)
+    prefix = fresh_prefix()
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
+        "Resource": f"arn:aws:s3:::{BUCKET}/{prefix}*"}]}
+    raw.put_bucket_policy(Bucket=BUCKET, Policy=json.dumps(policy))
+    try:
+        tier = _tier(Server(endpoint, "auto", RGW), prefix=prefix)
+        tiers.append(tier)
+        assert not tier.conditionals.batch_delete_etag
+        keys = [make_key(i) for i in range(3)]
+        for key in keys:
+            assert tier.put(meta_for(key, N), payload_for(key, N).data) is PutStatus.STORED
+        errors = tier.metrics.counts.errors
+        caplog.clear()
+        assert tier.delete(keys) == 0
+        assert tier.delete(keys[:1]) == 0
+        assert tier.metrics.counts.errors == errors + 2
+        said = [r.getMessage() for r in caplog.records if "DeleteObjects refused" in r.getMessage()]
+        assert len(said) == 1 and "AccessDenied" in said[0] and "s3:DeleteObject" in said[0]
+        for key in keys:  # nothing was deleted, and the tier still knows it holds them
+            raw.head_object(Bucket=BUCKET, Key=tier.object_name(key))
+            assert tier.contains_prefix([key]) == 1
+    finally:
+        raw.delete_bucket_policy(Bucket=BUCKET)
+        raw.close()
