@@ -104,6 +104,15 @@ class Breaker:
             self._go_down(why)
         self._publish()
 
+    def overdue(self, seconds: float) -> bool:
+        """Has a call in flight been running for ``seconds`` plus its bytes' allowance?
+        A tier that has stopped answering shows it here long before any call returns
+        (or ``slow_s`` trips the breaker); a long healthy write of a large chunk is not
+        overdue. Memory only."""
+        now = self.clock.monotonic()
+        with self._lock:
+            return any(now - t0 >= seconds + allow for t0, allow in self._calls.values())
+
     def allowance(self, nbytes: int) -> float:
         """Seconds a healthy call moving ``nbytes`` may take beyond ``slow_s``."""
         return max(0, nbytes) / self.min_bytes_per_s

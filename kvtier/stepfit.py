@@ -130,6 +130,8 @@ class StepModel:
         self.prefill_steps = 0
         self.steps = 0
         self.clipped = 0
+        self._cold_seconds = 0.0  # prefill steps' seconds and new tokens, unforgotten
+        self._cold_tokens = 0.0
 
     # -- observations (scheduler thread) ----------------------------------------------
     def observe(
@@ -142,6 +144,8 @@ class StepModel:
         with self._lock:
             y = self._clip(x, seconds)
             if x[1] > 0:
+                self._cold_seconds += seconds
+                self._cold_tokens += x[1] * _UNITS[1]
                 self._xx *= self._forget
                 self._xy *= self._forget
                 self._yy *= self._forget
@@ -194,6 +198,19 @@ class StepModel:
     def recompute_seconds(self, start_tokens: int, end_tokens: int) -> float:
         """Marginal time to compute tokens ``[start, end)`` with ``[0, start)`` cached."""
         return recompute_seconds(self.coefficients(), start_tokens, end_tokens)
+
+    def estimate_recompute(self, start_tokens: int, end_tokens: int) -> float | None:
+        """``recompute_seconds`` once warm; before, a rough estimate from the prefill
+        steps seen so far (their seconds per new token, the whole step's time charged to
+        its prefill tokens: an overestimate, as a wait bound should be while the fit is
+        untrained); None before the first prefill step."""
+        if self.warm:
+            return self.recompute_seconds(start_tokens, end_tokens)
+        with self._lock:
+            if self._cold_tokens <= 0:
+                return None
+            rate = self._cold_seconds / self._cold_tokens
+        return rate * max(0, end_tokens - start_tokens)
 
 
 def recompute_seconds(c: StepCoefficients, start_tokens: int, end_tokens: int) -> float:

@@ -108,7 +108,7 @@ class Reads(WriteBack):
 
     def probe(
         self, keys: Sequence[ChunkKey], *, progress: LoadProgress | None = None,
-        fresh: bool = False, alternatives: bool = False,
+        fresh: bool = False, alternatives: bool = False, stalled_s: float | None = None,
     ) -> Future[int] | None:
         """Ask the lower tiers themselves (on a probe thread) how many of
         ``keys`` lead a stored prefix: objects other nodes wrote, which this process's
@@ -122,9 +122,14 @@ class Reads(WriteBack):
         ``progress`` is cancelled (the caller's deadline) the probe asks nothing more.
         With ``alternatives`` the keys are not a chain but candidates (the tails of one
         chunk, longest first): a miss does not end the answer, and every key is asked;
-        the answer counts the hits. Memory only on the calling thread."""
+        the answer counts the hits. With ``stalled_s``, a tier with a call overdue by that
+        long when a key is asked (``Breaker.overdue``: not answering now, a hang's first
+        sign) is not asked about it: a question would only wait behind the hang. Memory
+        only on the calling thread."""
         keys = list(keys)
         clock = self.host.clock
+        if progress is not None:
+            progress.tiers = frozenset(range(1, len(self.lower) + 1))
 
         def job() -> int:
             n = 0
@@ -140,7 +145,9 @@ class Reads(WriteBack):
                     if alternatives:
                         continue
                     break
-                if any(self._ask(lt.tier, key) for lt in self.lower):
+                if any(self._ask(lt.tier, key) for lt, b in zip(self.lower, self.breakers,
+                                                                strict=True)
+                       if stalled_s is None or not b.overdue(stalled_s)):
                     n += 1
                     continue
                 with self._lock:
@@ -204,6 +211,9 @@ class Reads(WriteBack):
                 )
         held = Held(self.host)
         entries = [_Entry(*e) for e in zip(found.keys, found.tiers, specs, strict=True)]
+        if progress is not None and found.hits:
+            # a chunk gone from its tier (or from the host) is read from a tier below it
+            progress.tiers = frozenset(range(max(1, min(found.tiers)), len(self.lower) + 1))
         rest: list[_Entry] = []
         try:
             for i, (key, tier, spec) in enumerate(entries):

@@ -21,7 +21,7 @@ from kvtier.health import Breaker, breakers_for
 from kvtier.iopool import IOPool
 from kvtier.keys import ChunkKey
 from kvtier.metrics import record_drop, record_store_error
-from kvtier.store.types import LowerTier, WritePolicy
+from kvtier.store.types import LoadProgress, LowerTier, WritePolicy
 from kvtier.tiers.base import Tier
 from kvtier.tiers.host import HostTier
 
@@ -161,10 +161,21 @@ class StoreState:
                                                            strict=True)
                    if lt.write is WritePolicy.BACK)
 
-    def can_probe(self) -> bool:
+    def can_probe(self, stalled_s: float | None = None) -> bool:
         """Memory only: would ``probe`` ask any lower tier now? (No tier, every tier
-        down, or every tier at its read bound: asking would only queue behind a hang.)"""
-        return any(b.available() for b in self.breakers)
+        down, or every tier at its read bound: asking would only queue behind a hang.)
+        With ``stalled_s``, a tier with a call overdue by that long (``Breaker.overdue``:
+        it is not answering now) is not asked either."""
+        return any(b.available() and not (stalled_s is not None and b.overdue(stalled_s))
+                   for b in self.breakers)
+
+    def stalled(self, progress: LoadProgress, seconds: float) -> bool:
+        """Memory only: has a call to a tier that ``progress``'s load or probe may wait on
+        (``LoadProgress.tiers``) been running for ``seconds`` plus its bytes' allowance
+        (``Breaker.overdue``)? A load idle for that long behind healthy IO (other loads, a
+        write) is queued, not hung; this tells the two apart (``kvtier.vllm.waitbound``)."""
+        return any(self.breakers[t - 1].overdue(seconds)
+                   for t in progress.tiers if 0 < t <= len(self.breakers))
 
     def indexes_filling(self) -> bool:
         """Memory only: some lower tier's start scan is still running, so its index does

@@ -68,13 +68,17 @@ class LoadProgress:
 
     ``stages`` is where the load spent its time (wall seconds by ``RESTORE_STAGES`` name:
     ``queue``, ``settle``, ``slot``, ``read``), added to by the IO thread running the
-    load (``waited``); read it once the load's future is done."""
+    load (``waited``); read it once the load's future is done.
+
+    ``tiers``: the lower tiers (``Lookup`` indices) the load or probe may wait on, set by
+    the store when it takes the job (``TieredStore.stalled`` asks their breakers)."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
         self.last = clock.monotonic()
         self.cancelled = False
         self.stages: dict[str, float] = {}
+        self.tiers: frozenset[int] = frozenset()
 
     def touch(self) -> None:
         self.last = self.clock.monotonic()

@@ -1,35 +1,44 @@
-"""``WaitBound``: no wait outlasts the recompute it would save (issue 32).
+"""``WaitBound``: no wait outlasts the recompute it would save (issues 32, 43).
 
 A request waits on storage twice: for a lookup's probe ("is it on a lower tier?") and for
 a load (restoring what was found). Either wait exists to save a recompute, so neither may
-last longer than that recompute: the bound is the measured time to compute the tokens at
-stake (the engine's prefill speed, ``kvtier.stepfit.StepModel``, the same fit the
-``auto`` threshold policy uses), never less than ``floor_s`` and never more than the
-configured seconds (``restore.lookup_timeout_seconds``, the load's stall allowance),
-which stay the upper bound. Until the step model is warm (its first prefill steps) the
-configured seconds apply.
+last longer than that recompute once the storage is not answering: the bound is the
+measured time to compute the tokens at stake (the engine's prefill speed,
+``kvtier.stepfit.StepModel``, the same fit the ``auto`` threshold policy uses; before it
+is warm, the prefill steps' seconds per token so far), never less than ``floor_s`` and
+never more than the configured seconds (``restore.lookup_timeout_seconds``, the load's
+stall allowance), which stay the upper bound. Before the engine's first prefill step
+nothing is measured and the configured seconds apply.
 
-Why: on a tiny model a recompute costs 0.08 s, and with the configured 1 s probe and 2 s
-load deadlines a hung tier made each new prompt wait 14 times what it could save.
+When the bound applies (``seconds``): a wait idle for the bound is given up if the storage
+is *stalled* (a call to a tier the wait may be waiting on has itself been running for the
+bound: ``TieredStore.stalled``) or *suspect* (a wait ran out in the last ``suspect_s``).
+Otherwise it may run to the configured seconds: a load idle behind healthy IO (queued
+behind other loads or a write on its tier's pool) is not hung, and abandoning it would
+turn a restore into a recompute.
 
-Probes (``probe_seconds``) are bounded by the recompute always; loads (``seconds``) get
-the configured seconds while the storage is healthy and the recompute once a wait ran
-out (a healthy read of a long prefix on a loaded node can sit idle behind other IO for
-longer than a small model's recompute; abandoning it would turn a restore into a
-recompute, so the first load on a tier that stops answering pays its deadline once).
+Why: on a tiny model a recompute costs 0.02 to 0.09 s. With the configured 1 s probe and
+2 s load deadlines, a FUSE mount hung mid-run made each new prompt in flight wait 1 s and
+a returning one 2 s (issue 43; ``benchmarks/hang_inflight.py``): the first waits on a
+tier that had just stopped answering paid the configured seconds because nothing had run
+out yet, and an engine that had run fewer than 20 prefill steps was unmeasured.
 
-Threads: ``seconds`` reads the step model (its own lock); any thread.
+Threads: ``seconds`` reads the step model (its own lock) and calls ``stalled`` (memory
+only); any thread.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvtier.stepfit import StepModel
 
 #: A wait is never bounded below this. A healthy local tier answers in milliseconds, but
 #: a shared filesystem or an endpoint on a loaded node takes tens to a few hundred (one
-#: CephFS chunk read under load): a tighter bound abandoned healthy restores (the P/D
-#: end-to-end tests restored nothing). It stays within the +0.3 s a new prompt may pay.
-FLOOR_S = 0.25
+#: CephFS chunk read under load): a much tighter bound (0.02 s) abandoned healthy
+#: restores (the P/D end-to-end tests restored nothing). It leaves room within the
+#: +0.3 s a hang may add to a request for a step's granularity (0.25 s left 7 ms).
+FLOOR_S = 0.2
 
 
 #: Per engine step, the scheduler thread waits at most this long in all for the reads that
@@ -72,26 +81,40 @@ class WaitBound:
             return left_s
         return max(0.0, min(left_s, self.steps.recompute_seconds(start_tokens, end_tokens)))
 
-    def probe_seconds(self, configured_s: float, at_stake: int) -> float:
-        """How long a lookup's probe ("is it on a lower tier?") of ``at_stake`` tokens
-        may wait: their measured recompute within ``[floor_s, configured_s]``, healthy
-        storage or not. A probe is what every new prompt with nothing indexed pays
-        (most prompts of a busy node); on a tier that has just stopped answering, the
-        first prompts after the hang started are no exception (the breaker and the
-        suspect window only learn of the hang from the first wait that runs out)."""
-        return self.seconds(configured_s, 0, at_stake)  # no ``now``: suspect or not
-
-    def seconds(self, configured_s: float, start_tokens: int, end_tokens: int,
-                now: float | None = None) -> float:
-        """How long to wait for tokens ``[start_tokens, end_tokens)`` (those the wait
-        may save, with ``[0, start_tokens)`` already cached): the measured recompute of
-        them, within ``[floor_s, configured_s]``; ``configured_s`` while unmeasured, and
-        (given ``now``) while no wait ran out in the last ``suspect_s``: healthy storage
-        on a loaded node may take longer than a small model's recompute, and the first
-        wait on a tier that stops answering pays the configured deadline once."""
-        if not self.steps.warm:
+    def limit(self, configured_s: float, start_tokens: int, end_tokens: int) -> float:
+        """The recompute of tokens ``[start_tokens, end_tokens)`` (those the wait may
+        save, with ``[0, start_tokens)`` already cached) within ``[floor_s,
+        configured_s]``; ``configured_s`` before anything is measured."""
+        recompute = self.steps.estimate_recompute(start_tokens, end_tokens)
+        if recompute is None:
             return configured_s
-        if now is not None and not self.suspect(now):
-            return configured_s
-        recompute = self.steps.recompute_seconds(start_tokens, end_tokens)
         return min(configured_s, max(self.floor_s, recompute))
+
+    def seconds(self, configured_s: float, start_tokens: int, end_tokens: int, now: float,
+                stalled: Callable[[float], bool] | None = None) -> float:
+        """How long a wait for tokens ``[start_tokens, end_tokens)`` may stay idle, asked
+        at ``now`` (the caller's clock) as it waits: ``limit`` while the storage is
+        suspect or ``stalled(evidence_s)`` (a call it waits on has run that long past its
+        bytes' allowance), else the configured seconds. Asked again each step, so a call
+        that stalls later cuts the wait then."""
+        bound = self.limit(configured_s, start_tokens, end_tokens)
+        if bound >= configured_s or self.suspect(now) or (stalled is not None
+                                                          and stalled(self.evidence_s)):
+            return bound
+        return configured_s
+
+    @property
+    def evidence_s(self) -> float:
+        """A call this much past its bytes' allowance is not answering now (``stalled``):
+        half the floor, so that a wait whose own call hangs is given up at its bound,
+        not later, while healthy calls (milliseconds, a few tens under load) never
+        qualify."""
+        return self.floor_s / 2
+
+    def save_seconds(self, configured_s: float, tokens: int, now: float) -> float:
+        """How long a save of ``tokens`` may wait for a host slot: the configured seconds,
+        or ``limit`` while the storage is suspect (a slot comes free as the lower tiers
+        take writes; their calls say nothing of a wait for a slot)."""
+        if self.suspect(now):
+            return self.limit(configured_s, 0, tokens)
+        return configured_s

@@ -227,7 +227,7 @@ class Loads(RequestKeys):
         room = self._staged_cap - self._staged_chunks()
         for rid, st in list(self._streams.items()):
             lo, hi = st.span_tokens
-            stall_s = self.waits.seconds(self.load_stall_s, lo, hi, now)
+            stall_s = self._idle_bound(self.load_stall_s, st.progress, lo, hi)
             before = st.in_flight()
             out = st.advance(self.store, stall_s, max(room, 0 if before else 1))
             room -= st.in_flight() - before

@@ -96,8 +96,7 @@ class Lookups(ShapeStarts):
                 # (a P/D decode restoring what its prefill node announced keeps the
                 # configured allowance: that restore is the point of the hand-off)
                 stall_s = self.load_stall_s if _request_params(request).get("expect") \
-                    else self.waits.seconds(self.load_stall_s, *self._at_stake(lk),
-                                            self.clock.monotonic())
+                    else self._idle_bound(self.load_stall_s, lk.progress, *self._at_stake(lk))
                 if lk.progress is None or lk.progress.idle_for() < stall_s:
                     return None, False
                 # A read made no progress for too long (a hung filesystem blocks in the

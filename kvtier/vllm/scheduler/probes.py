@@ -28,8 +28,10 @@ class Probes(RequestKeys):
         """Ask the lower tiers about ``beyond`` (the chunks past what the indexes know) on
         an IO thread; True while the answer is pending: the hook then answers "ask again".
 
-        One probe per request, given up after ``restore.lookup_timeout_seconds`` (then the
-        indexes' answer stands: a recompute, never a wait on storage). A P/D decode that
+        One probe per request, given up after ``restore.lookup_timeout_seconds``, or after
+        the recompute of what it asks about once a tier call it waits on has run that
+        long (``waitbound``); then the indexes' answer stands: a recompute, never a wait
+        on storage. A P/D decode that
         waits for announced chunks probes again, at most every ``PROBE_INTERVAL_S``.
         ``tail``: the request's second probe, for its tail's candidates (``_tail_probes``).
         """
@@ -40,32 +42,36 @@ class Probes(RequestKeys):
         p = probes.get(rid)
         if p is None or (waiting and p.answered is not None
                          and now - p.answered >= PROBE_INTERVAL_S):
-            if not self.store.can_probe():
-                return False  # every lower tier is down or busy: the indexes answer
+            stalled_s = self.waits.evidence_s
+            if not self.store.can_probe(stalled_s):
+                return False  # every lower tier is down, busy or stalled: the indexes answer
             progress = LoadProgress(self.clock)
             fut = self.store.probe(beyond, progress=progress, fresh=waiting,
-                                   alternatives=alternatives)
+                                   alternatives=alternatives, stalled_s=stalled_s)
             if fut is None:
                 log.debug("kvtier: probe queue full; %s answered from the indexes", rid)
                 return False
-            at_stake = len(beyond) * self.ct
-            limit = self.lookup_timeout_s if waiting else self.waits.probe_seconds(
-                self.lookup_timeout_s, at_stake)
-            probes[rid] = _Probe(fut, now, progress, limit_s=limit)
+            probes[rid] = _Probe(fut, now, progress, at_stake=len(beyond) * self.ct,
+                                 waiting=waiting)
             return True
         if p.answered is not None:
             return False
         if p.future.done():
             p.answered = now
             return False
-        if now - p.started < p.limit_s:
+        # the probe never outlasts the recompute of what it asks about once a tier call
+        # it waits on has stalled (waitbound); a P/D decode waiting for announced chunks
+        # keeps the configured seconds
+        limit = self.lookup_timeout_s if p.waiting else self._idle_bound(
+            self.lookup_timeout_s, p.progress, 0, p.at_stake)
+        if now - p.started < limit:
             return True
         p.answered = now
         self.waits.missed(now)
         p.progress.cancel()  # it asks nothing more once its tier answers
         p.future.cancel()  # not started yet: never runs
         log.info("kvtier: lower tiers did not answer for %s within %.2f s; not waiting",
-                 rid, p.limit_s)
+                 rid, limit)
         return False
 
     def _announced(self, request: Any, keys: list[ChunkKey],

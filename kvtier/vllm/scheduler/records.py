@@ -137,7 +137,8 @@ class _Probe:
     started: float
     progress: LoadProgress
     answered: float | None = None  # when its answer (or its deadline) was taken
-    limit_s: float = 0.0  # its deadline: the recompute it may save, at most configured
+    at_stake: int = 0  # tokens its answer may save from a recompute (its wait's bound)
+    waiting: bool = False  # a P/D decode's probe for announced chunks
 
 
 @dataclass

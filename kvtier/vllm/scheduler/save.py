@@ -154,7 +154,7 @@ class Saves(RequestKeys):
         what it would save (``waitbound``)."""
         now = self.clock.monotonic()
         tokens = sum((p.span or self.bpc) * self.bs for p in pending)
-        return _SaveStream(pending, now, self.waits.seconds(self.load_stall_s, 0, tokens, now))
+        return _SaveStream(pending, now, self.waits.save_seconds(self.load_stall_s, tokens, now))
 
     def _advance_save_streams(self) -> None:
         """Give the streams' waiting pieces the host slots that came free, in chain order,

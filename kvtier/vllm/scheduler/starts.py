@@ -123,7 +123,7 @@ class ShapeStarts(Probes):
         now = self.clock.monotonic()
         since = self._cap_since.setdefault(rid, now)
         self._capped.setdefault(rid, time.perf_counter())
-        if now - since <= self.waits.seconds(self.load_stall_s, start_tokens, end_tokens):
+        if now - since <= self.waits.limit(self.load_stall_s, start_tokens, end_tokens):
             return None, False
         self._cap_since.pop(rid, None)
         self._capped.pop(rid, None)

@@ -231,6 +231,18 @@ class SchedulerState:
                         "recompute_threshold_tokens (not a non-negative integer)")
         return own
 
+    def _idle_bound(self, configured_s: float, progress: LoadProgress | None,
+                    start_tokens: int, end_tokens: int) -> float:
+        """How long a load or probe (``progress``) of tokens ``[start_tokens,
+        end_tokens)`` may stay idle, asked now as it waits (``WaitBound.seconds``: the
+        recompute of those tokens once a call it waits on has run that long, or the
+        storage is suspect; else ``configured_s``). Memory only."""
+        store = self.store
+        stalled = None if progress is None else (
+            lambda seconds: store.stalled(progress, seconds))
+        return self.waits.seconds(configured_s, start_tokens, end_tokens,
+                                  self.clock.monotonic(), stalled)
+
     def _progress(self, rid: str) -> LoadProgress:
         """A new load's progress, charged with the time its request waited for room
         under the staging cap (stage ``cap``)."""
