@@ -66,6 +66,16 @@ CORRUPTIONS = Series(
 )
 EVICTIONS = Series("kvtier_tier_evictions_total", _C, "Chunks evicted for capacity", ("tier",))
 USED = Series("kvtier_tier_used_bytes", _G, "Bytes held by the tier", ("tier",))
+FULL = Series(
+    "kvtier_tier_full_total", _C,
+    "Writes the store refused for space (ENOSPC, EDQUOT, an S3 quota); each lowers the "
+    "capacity the tier collects to", ("tier",),
+)
+CAPACITY = Series(
+    "kvtier_tier_capacity_bytes", _G,
+    "The capacity the tier collects to: the configured one, or less after the store "
+    "refused a write for space", ("tier",),
+)
 INDEX_READY = Series(
     "kvtier_tier_index_ready", _G,
     "1 once the tier's start scan has filled its index, 0 while it runs (lookups probe)",
@@ -134,7 +144,7 @@ SERIES: dict[str, Series] = {
     s.name: s
     for s in (
         HITS, MISSES, BYTES_WRITTEN, BYTES_READ, ERRORS, CORRUPTIONS, EVICTIONS, USED,
-        INDEX_READY, INDEX_SCANNED,
+        FULL, CAPACITY, INDEX_READY, INDEX_SCANNED,
         OP_SECONDS, DROPS, STORE_ERRORS, QUEUE_DEPTH, TIER_UP, THRESHOLD_DECISIONS, RESTORED_TOKENS,
         RESTORED_REQUESTS, SPILLED,
         WT_BASELINE, WORKER_BLOCKS, WORKER_FAILED_BLOCKS, WORKER_STEP_SECONDS,
@@ -272,6 +282,7 @@ class TierCounters:
     errors: int = 0
     corruptions: int = 0
     evictions: int = 0
+    full: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -339,6 +350,15 @@ class TierMetrics:
 
     def used(self, nbytes: int) -> None:
         _set(USED, nbytes, self.tier)
+
+    def full(self, room: int) -> None:
+        """The store refused a write for space; the tier now collects to ``room``."""
+        self._count("full", 1)
+        _add(FULL, 1, self.tier)
+        _set(CAPACITY, room, self.tier)
+
+    def capacity(self, nbytes: int) -> None:
+        _set(CAPACITY, nbytes, self.tier)
 
     def index_scan(self, scanned: int, *, ready: bool) -> None:
         """The start scan's progress: objects indexed so far, and whether it is done."""

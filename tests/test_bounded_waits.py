@@ -418,3 +418,102 @@ def test_no_grace_while_storage_is_suspect_and_one_budget_per_step(
     finally:
         tier.gate.set()
         sched.close()
+
+
+def test_a_hung_write_through_tier_pins_at_most_its_share_of_the_host_pool(
+    tmp_path: Path,
+) -> None:
+    """Review N3: every commit queued a write-through job that held its host slot until
+    the job ran, so a hung tier behind its pool's two blocked threads pinned one slot
+    per queued job (up to ``max_queued_stores``): the host pool filled with pinned slots
+    and every new save was dropped. Now a job holds its slot from the commit only while
+    its tier answers and its pool's held jobs are within half the pool; past that it
+    takes its hold when it starts, and a chunk evicted meanwhile is a copy given up."""
+    clock = ManualClock()
+    a = HangingTier(tmp_path / "a", clock, "a")
+    slots = 8
+    host = HostTier(slots * PAYLOAD, PAYLOAD, clock=clock)
+    pool = IOPool(2, 256, name="io-a")
+    store = TieredStore(host, [LowerTier(a, WritePolicy.THROUGH)], pool,
+                        breakers=breakers_for(["a"], HealthConfig(), 2, clock), tier_io=[pool])
+    try:
+        a.hang.set()
+        first = [make_key(100 + i) for i in range(2)]
+        for k in first:  # both of the pool's threads block in the hung tier
+            assert store.put(meta_for(k), payload_for(k))
+        for _ in first:
+            assert a.entered.acquire(timeout=10)
+        clock.advance(store.breakers[0].stuck_s + 0.01)  # their calls are overdue now
+        assert store.breakers[0].up  # not tripped yet (slow_s): only overdue
+        later = [make_key(200 + i) for i in range(4 * slots)]
+        stored = sum(store.put(meta_for(k), payload_for(k)) for k in later)
+        assert stored == len(later)  # every save found a slot: nothing pinned them
+        assert store.host.index.num_held() == len(first)  # only the two running jobs
+        a.gate.set()
+        assert store.flush(10)
+        assert store.host.index.num_held() == 0
+        assert a.indexed(first[0]) and a.indexed(first[1])
+    finally:
+        a.gate.set()
+        store.close(timeout=5)
+
+
+def test_a_healthy_write_through_keeps_its_chunk_until_written(tmp_path: Path) -> None:
+    """A write-through job queued while its tier answers holds the chunk from the
+    commit, so a small host pool under pressure still writes every chunk through."""
+    clock = ManualClock()
+    a = HangingTier(tmp_path / "a", clock, "a")
+    slots = 8
+    host = HostTier(slots * PAYLOAD, PAYLOAD, clock=clock)
+    pool = IOPool(1, 256, name="io-a")
+    store = TieredStore(host, [LowerTier(a, WritePolicy.THROUGH)], pool,
+                        breakers=breakers_for(["a"], HealthConfig(), 2, clock), tier_io=[pool])
+    try:
+        a.hang.set()  # the thread is busy (not overdue: the clock stands still)
+        keys = [make_key(300 + i) for i in range(slots // 2 + 1)]
+        for k in keys:
+            assert store.put(meta_for(k), payload_for(k))
+        assert a.entered.acquire(timeout=10)
+        # the running job and the queued ones within the cap (half the pool) hold theirs
+        assert store.host.index.num_held() == slots // 2
+        a.hang.clear()
+        a.gate.set()
+        assert store.flush(10)
+        assert all(a.indexed(k) for k in keys)
+    finally:
+        a.gate.set()
+        store.close(timeout=5)
+
+
+def test_an_abandoned_load_queued_behind_a_hung_tier_gives_its_host_slots_back(
+    two: Any,
+) -> None:
+    """Review N3: a load whose lower-tier part waits in a hung tier's pool held the host
+    slots of its leading chunks until that part ran (after the hang). Cancelling its
+    progress (the scheduler abandons it) now unqueues that part and releases them."""
+    from kvtier.store import LoadProgress
+
+    store, a, _, clock = two
+    blockers = [make_key(40 + i) for i in range(2)]
+    k_host, k_low = make_key(50), make_key(51)
+    for k in (*blockers, k_low):
+        a.put(meta_for(k), payload_for(k))
+    assert store.put(meta_for(k_host), payload_for(k_host))  # on the host (and a, b)
+    assert store.flush(10)
+    a.hang.set()
+    stuck = [store.load(store.lookup_indexed([k])) for k in blockers]
+    for _ in blockers:
+        assert a.entered.acquire(timeout=10)  # both of a's threads block
+    held_before = store.host.index.num_held()
+    progress = LoadProgress(clock)
+    found = store.lookup_indexed([k_host, k_low])
+    assert found.tiers[0] == 0 and found.hits == 2
+    fut = store.load(found, progress=progress)
+    assert store.host.index.num_held() == held_before + 1  # its host chunk is held
+    progress.cancel()
+    with pytest.raises(Exception, match="cancelled before it ran"):
+        fut.result(timeout=10)
+    assert store.host.index.num_held() == held_before
+    a.gate.set()
+    for f in stuck:
+        f.result(timeout=10).release()

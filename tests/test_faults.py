@@ -75,32 +75,29 @@ def test_kill_9_mid_write_leaves_no_partial_object(store_dirs: tuple[Path, Path]
     assert not list(read_from.rglob("*.tmp"))
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs: a real filesystem that fills up."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); see the EFBIG test")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_disk_full_counts_errors_and_keeps_answering(tiny_fs: Path) -> None:
-    tier = FileTier(tiny_fs, 1 << 40)  # the tier believes in space the disk lacks
+def test_disk_full_is_counted_collected_and_keeps_answering(tiny_fs: Path) -> None:
+    """A full disk under a tier that believes in space it lacks: each refused write is
+    counted as full (not as an error: the breaker stays closed), leaves no temp file,
+    and makes the tier collect, so later writes land; every object read back is its
+    own (``tests/tiers/test_full_store.py`` has the store's side)."""
+    tier = FileTier(tiny_fs, 1 << 40)
     statuses = []
     for i in range(8):
         key = make_key(i)
         statuses.append(tier.put(meta_for(key, CHUNK), payload_for(key, CHUNK).data))
-    assert PutStatus.FAILED in statuses
-    assert tier.metrics.counts.errors == statuses.count(PutStatus.FAILED)
+    assert PutStatus.NO_SPACE in statuses
+    assert tier.metrics.counts.full == statuses.count(PutStatus.NO_SPACE)
+    assert tier.metrics.counts.errors == 0
+    assert statuses[-1] is PutStatus.STORED  # collection made room
     assert not list(tiny_fs.rglob("*.tmp")), "failed writes clean up their temp files"
     buf = np.empty(CHUNK, dtype=np.uint8)
     for i, status in enumerate(statuses):
         got = tier.get_into(make_key(i), buf.data)
-        assert (got is not None) == (status is PutStatus.STORED)
+        if status is not PutStatus.STORED:
+            assert got is None
+        elif got is not None:
+            np.testing.assert_array_equal(buf, payload_for(make_key(i), CHUNK))
+    assert tier.get_into(make_key(7), buf.data) is not None
 
 
 def test_file_size_limit_fails_puts_cleanly(tmp_path: Path) -> None:

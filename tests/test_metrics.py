@@ -26,7 +26,7 @@ def test_with_export_off_only_the_tier_mirror_counts() -> None:
     m.record_restore({"host": 256})
     assert t.counts.as_dict() == {"hits": 1, "misses": 1, "bytes_written": 0,
                                   "bytes_read": 100, "errors": 0, "corruptions": 0,
-                                  "evictions": 0}
+                                  "evictions": 0, "full": 0}
     assert m.drain_export() == {}
 
 

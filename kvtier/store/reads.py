@@ -276,6 +276,8 @@ class Reads(WriteBack):
                 done.set_exception(IOPoolClosed("the load was cancelled before it ran"))
 
         job.add_done_callback(unstarted)
+        if progress is not None:  # abandoned while queued (behind a hung tier): unqueue
+            progress.on_cancel(job.cancel)
 
     def _run_load(self, done: Future[Held], held: Held, entries: list[_Entry],
                   progress: LoadProgress | None, pool: IOPool,

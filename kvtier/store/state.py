@@ -104,6 +104,10 @@ class StoreState:
         self._pools = pools
         self._io_of = {id(lt.tier): pool for lt, pool in zip(self.lower, pools, strict=True)}
         self._collecting: set[int] = set()  # tiers with a collection job queued
+        #: write-through jobs queued or running that hold their host slot, by pool
+        #: (``Writes._queue_write``), and how many each pool may have
+        self._through_holds: dict[int, int] = {}
+        self._through_cap = max(1, host.pool.num_slots // 2)
         for lt in self.lower:
             if hasattr(lt.tier, "collect_on_put"):
                 setattr(lt.tier, "collect_on_put", False)  # noqa: B010 - _collect_later

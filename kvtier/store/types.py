@@ -8,6 +8,8 @@ No I/O, no locks of their own: a ``Lookup`` and a ``FlushReport`` are frozen; a
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -79,6 +81,8 @@ class LoadProgress:
         self.cancelled = False
         self.stages: dict[str, float] = {}
         self.tiers: frozenset[int] = frozenset()
+        self._on_cancel: list[Callable[[], object]] = []
+        self._hooks_lock = threading.Lock()  # the hooks only; the rest is plain stores
 
     def touch(self) -> None:
         self.last = self.clock.monotonic()
@@ -91,7 +95,22 @@ class LoadProgress:
         return self.clock.monotonic() - self.last
 
     def cancel(self) -> None:
-        self.cancelled = True
+        """Stop the load (any thread): it reads no further chunk, and a part of it still
+        queued on an IO pool is cancelled there (``on_cancel``), which releases the host
+        slots it held: a load queued behind a hung tier pins nothing once abandoned."""
+        with self._hooks_lock:
+            self.cancelled = True
+            hooks, self._on_cancel = self._on_cancel, []
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], object]) -> None:
+        """Run ``hook`` when the load is cancelled (at once if it is already)."""
+        with self._hooks_lock:
+            if not self.cancelled:
+                self._on_cancel.append(hook)
+                return
+        hook()
 
 
 class Hit(NamedTuple):

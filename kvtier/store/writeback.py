@@ -74,7 +74,7 @@ class WriteBack(StoreState):
             stored = status in (PutStatus.STORED, PutStatus.EXISTS)
             ok &= stored
             some |= stored
-            if status is PutStatus.STORED:
+            if status in (PutStatus.STORED, PutStatus.NO_SPACE):  # full: collect now
                 self._collect_later(tier)
         return ok if every else some
 

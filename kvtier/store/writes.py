@@ -133,6 +133,33 @@ class Writes(WriteBack):
                   for t in self._through]
         return len(held) if all(f is not None for f in queued) else 0
 
+    def _through_held(self, pool: IOPool) -> int:
+        with self._lock:
+            return self._through_holds.get(id(pool), 0)
+
+    def _through_done(self, pool: IOPool) -> None:
+        with self._lock:
+            self._through_holds[id(pool)] -= 1
+
+    def _write_through_job(self, slot: int, meta: ChunkMeta, tiers: list[Tier], kind: str,
+                           pool: IOPool, held: bool) -> bool:
+        """One pool's part of a write-through (an IO thread): write the chunk to
+        ``tiers``, holding its slot; ``held``: the hold was taken when the job was
+        queued (``_queue_write`` counted it against the pool's share), else it is taken
+        now, and a chunk evicted meanwhile is a copy given up (counted)."""
+        if not held:
+            got = self.host.index.hold(meta.key)
+            if got is None:
+                self._count_drop("gave_up_copy")
+                return False
+            slot, meta = got
+        try:
+            return self._write_slot(slot, meta, tiers, kind)
+        finally:
+            if held:
+                self._through_done(pool)
+            self.host.release(slot)
+
     def _mark_offered(self, keys: Sequence[ChunkKey]) -> None:
         now = self.host.clock.monotonic()
         with self._lock:
@@ -146,39 +173,63 @@ class Writes(WriteBack):
         self, slot: int, meta: ChunkMeta, tiers: Sequence[Tier], *, kind: str,
     ) -> Future[Any] | None:
         """Queue a write of the committed chunk in host ``slot`` to ``tiers``, one job per
-        tier's IO pool, each holding the slot until it is done; the result is True if
-        every tier holds the chunk (a write-through: compare ``_queue_write_back``, where
-        one tier holding it is enough).
+        tier's IO pool; the result is True if every tier holds the chunk (a
+        write-through: compare ``_queue_write_back``, where one tier holding it is
+        enough).
+
+        A tier whose breaker refuses calls is not queued (a drop, ``tier_down``). A job
+        holds the slot from now until it is done, so the chunk is written before it can
+        be evicted, only while its pool's tiers answer (no call overdue by the breaker's
+        ``stuck_s``) and its pool's held jobs are fewer than ``_through_cap`` (half the
+        host pool); otherwise it takes its hold when it starts (``_write_through_job``).
+        So a hung write-through tier pins at most that share of the host pool, for at
+        most ``stuck_s``, instead of one slot per queued job (up to
+        ``max_queued_stores``) until it recovers (review N3).
 
         ``None`` if the chunk was evicted first or no job could be queued (counted; the
         chunk is as it was: a full queue is not a failed write)."""
-        if self.host.index.hold(meta.key) is None:
-            return None  # evicted before we got to it
         groups: dict[int, tuple[IOPool, list[Tier]]] = {}
+        stalled: set[int] = set()  # pools with a tier not answering now
+        skipped = False
         for tier in tiers:
+            b = self._breaker_of.get(id(tier))
+            if b is not None and not (b.up or b.available()):
+                self._count_drop("tier_down")  # its pool may be stuck behind a hang
+                skipped = True
+                continue
             pool = self._pool_of(tier)
             groups.setdefault(id(pool), (pool, []))[1].append(tier)
-        for _ in range(len(groups) - 1):  # one hold per job; ours keeps the key in slot
-            self.host.index.hold(meta.key)
+            if b is not None and b.overdue(b.stuck_s):
+                stalled.add(id(pool))
+        if not groups or self.host.index.hold(meta.key) is None:
+            return None  # every tier refuses writes, or evicted before we got to it
         parts: list[Future[Any]] = []
-        for pool, group in groups.values():
-
-            def job(group: list[Tier] = group) -> bool:
-                try:
-                    return self._write_slot(slot, meta, group, kind)
-                finally:
-                    self.host.release(slot)
-
-            fut = self._submit(job, kind, pool)
-            if fut is None:
-                self.host.release(slot)
-            else:
-                parts.append(fut)
+        try:
+            for pool, group in groups.values():
+                # A job holds the slot from now (the chunk stays until it is written)
+                # while its tier answers and its pool's held jobs are within their share
+                # of the host pool; else it takes its hold when it starts and gives the
+                # copy up if the chunk was evicted meanwhile (a hung tier pins no slot).
+                held = id(pool) not in stalled and self._through_held(pool) < self._through_cap
+                if held:  # our own hold keeps the key in ``slot``: this one succeeds
+                    self.host.index.hold(meta.key)
+                    with self._lock:
+                        self._through_holds[id(pool)] = self._through_holds.get(id(pool), 0) + 1
+                fut = self._submit(partial(self._write_through_job, slot, meta, group, kind,
+                                           pool, held), kind, pool)
+                if fut is None:
+                    if held:
+                        self._through_done(pool)
+                        self.host.release(slot)
+                else:
+                    parts.append(fut)
+        finally:
+            self.host.release(slot)  # our own hold
         if not parts:
             return None
         whole: Future[Any] = Future()
         whole.set_running_or_notify_cancel()
-        missing = len(parts) < len(groups)
+        missing = skipped or len(parts) < len(groups)
         left = len(parts)
 
         def part_done(_: Future[Any]) -> None:

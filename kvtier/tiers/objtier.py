@@ -44,6 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -84,6 +85,25 @@ TICK_SECONDS = 1.0
 DEFAULT_TICK = TickBudget(TICK_OBJECTS, TICK_SECONDS)
 
 
+#: S3 error codes that say the bucket or account is out of space (RGW's quota, MinIO).
+FULL_CODES = frozenset({"QuotaExceeded", "XMinioStorageFull", "InsufficientStorage"})
+
+
+#: After a refusal for space, each object stored raises the room by this fraction of its
+#: size (``ObjectTier._full``).
+REGROW = 4
+
+
+def is_full(e: Exception) -> bool:
+    """A write refused for space: ENOSPC or EDQUOT from a filesystem, or an S3 quota."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    response = getattr(e, "response", None)  # botocore's ClientError
+    if isinstance(response, dict):
+        return response.get("Error", {}).get("Code") in FULL_CODES
+    return False
+
+
 class ObjectTier:
     #: ``put`` collects (capacity) itself; a ``TieredStore`` turns this off and queues
     #: collection as a job of its own, outside the breaker-timed write.
@@ -104,7 +124,10 @@ class ObjectTier:
         if index_threads < 1:
             raise ValueError(f"index_threads: must be >= 1, got {index_threads}")
         self.transport = transport
-        self.capacity = capacity_bytes
+        self._capacity = capacity_bytes
+        #: what collection keeps usage under: ``capacity``, or less once the store
+        #: refused a write for space (``_full``); grows back by each object stored
+        self.room = capacity_bytes
         self._name = name
         self._clock = clock
         self._touch_interval = touch_interval
@@ -112,6 +135,7 @@ class ObjectTier:
         self._tick = tick
         self._walk_interval = walk_interval
         self.metrics = metrics if metrics is not None else TierMetrics(name)
+        self.metrics.capacity(capacity_bytes)
         self.index = CompactIndex()
         self._collecting = threading.Lock()  # one collection at a time; held across I/O
         #: The walk (used under ``_collecting`` only).
@@ -130,6 +154,16 @@ class ObjectTier:
         #: wrote, found by the scan or walk): the KV event stream publishes a shared
         #: object from its writer only (``kvtier.vllm.events``). Must only enqueue.
         self.on_stored: Callable[[ChunkKey], None] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The configured capacity (bytes); setting it resets ``room`` to it."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, nbytes: int) -> None:
+        self._capacity = self.room = nbytes
+        self.metrics.capacity(nbytes)
 
     @property
     def name(self) -> str:
@@ -326,9 +360,17 @@ class ObjectTier:
         except Exists:
             return PutStatus.EXISTS
         except self.transport.faults as e:
-            self._fault("put", e)
-            return PutStatus.FAILED
+            if not is_full(e):
+                self._fault("put", e)
+                return PutStatus.FAILED
+            self._full(e, meta.object_len)
+            if self.collect_on_put:
+                self.collect()
+            return PutStatus.NO_SPACE
         self._faulting = False
+        if self.room < self.capacity:  # feel for room coming back (others collected)
+            self.room = min(self.capacity, self.room + meta.object_len // REGROW)
+            self.metrics.capacity(self.room)
         self.index.remember(meta.key, meta.object_len, stamp, stamp)
         if self.on_stored is not None:
             self.on_stored(meta.key)
@@ -358,6 +400,24 @@ class ObjectTier:
         for key, e in self.index.items():
             yield ObjectInfo(key, e.size, e.last_used)
 
+    def _full(self, e: Exception, nbytes: int) -> None:
+        """The store refused a write for space (a full filesystem, a quota: ``is_full``)
+        although this node's view was within ``capacity``: the real room is smaller
+        (other nodes' objects this node has not seen yet, files kvtier does not count,
+        a quota below ``capacity``). Collection now keeps usage under what is held less
+        the ``nbytes`` that did not fit (``room``), so it frees room at once; each
+        object stored after raises ``room`` by ``1 / REGROW`` of its size, up to
+        ``capacity``, so a store that stays full refuses about one write in
+        ``REGROW / (1 - low_watermark)`` chunks (review N4: a full store was never
+        collected and the tier stayed unwritable for good)."""
+        first = self.room >= self.capacity  # the first refusal since room was whole
+        self.room = min(self.room, max(0, self._used() - nbytes))
+        self.metrics.full(self.room)
+        if first:
+            log.warning("%s: the store is full (%s); collecting to %d bytes (configured "
+                        "capacity %d); counted in kvtier_tier_full_total", self._name, e,
+                        self.room, self.capacity)
+
     def usage(self) -> TierUsage:
         """Objects indexed; bytes include what the store holds besides (temp files)."""
         return TierUsage(len(self.index), self._used(), self.capacity)
@@ -383,7 +443,7 @@ class ObjectTier:
                 for _ in self.walk.tick(self._tick, "collect"):
                     pass
             self._before_collect()
-            return self._reclaim.evict_coldest(self.capacity, self._low_watermark)
+            return self._reclaim.evict_coldest(self.room, self._low_watermark)
         finally:
             self._collecting.release()
 
