@@ -517,3 +517,33 @@ def test_an_abandoned_load_queued_behind_a_hung_tier_gives_its_host_slots_back(
     a.gate.set()
     for f in stuck:
         f.result(timeout=10).release()
+
+
+def test_a_load_cleans_a_dirty_slot_only_through_its_own_pools_tier(
+    tmp_path: Path,
+) -> None:
+    """Review N12: a promotion that found every host slot dirty wrote one below through
+    the first write-back tier whose breaker was up, whichever pool it ran on: with that
+    tier just hung, a healthy tier's load thread hung with it. Now it writes only to a
+    tier its own pool serves."""
+    clock = ManualClock()
+    b = HangingTier(tmp_path / "b", clock, "b")  # first in order, hung
+    a = HangingTier(tmp_path / "a", clock, "a")
+    host = HostTier(4 * PAYLOAD, PAYLOAD, clock=clock)
+    pools = [IOPool(1, 16, name="io-b"), IOPool(1, 16, name="io-a")]
+    store = TieredStore(host, [LowerTier(b, WritePolicy.BACK), LowerTier(a, WritePolicy.BACK)],
+                        pools[0], breakers=breakers_for(["b", "a"], HealthConfig(), 1, clock),
+                        tier_io=pools)
+    try:
+        key = make_key(77)
+        r = host.reserve(key)
+        assert r is not None
+        host.view(r.slot, PAYLOAD)[:] = payload_for(key)
+        host.commit(r.slot, meta_for(key), dirty=True)  # dirty, no spill queued
+        b.hang.set()
+        assert store._clean_one(None, pools[1])  # a's pool: written to a, at once
+        assert a.indexed(key) and not b.entered.acquire(timeout=0)
+        assert not store._clean_one(None, pools[0])  # b's pool: nothing dirty left
+    finally:
+        b.gate.set()
+        store.close(timeout=5)

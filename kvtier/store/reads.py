@@ -370,7 +370,7 @@ class Reads(WriteBack):
                 # every slot is held or dirty: write a dirty one below now, on this IO
                 # thread (a healthy tier takes milliseconds), and take its slot
                 if cleaned < CLEAN_MAX and not (progress and progress.cancelled) and \
-                        self._clean_one(progress):
+                        self._clean_one(progress, self._entry_pool(tier_index)):
                     cleaned += 1
                     r = self.host.reserve(key)
                     continue

@@ -216,16 +216,19 @@ class WriteBack(StoreState):
         with self._lock:
             self._spilling -= 1
 
-    def _clean_one(self, progress: LoadProgress | None) -> bool:
-        """IO threads only: write the coldest dirty, unheld host chunk to the write-back
-        tiers now and mark it clean (evictable), for a promotion that found every slot
-        held or dirty; the time is the load's ``slot`` stage. False if there is no such
-        chunk, no write-back tier may be written, or the write failed (the chunk stays
-        dirty)."""
-        # one write-back tier whose breaker is closed: a chunk is clean once ONE tier
-        # holds it (issue 32), and a tier that is down is never written from a load's
-        # thread
-        up = [t for t in self._back if (b := self._breaker_of.get(id(t))) is None or b.up]
+    def _clean_one(self, progress: LoadProgress | None, pool: IOPool) -> bool:
+        """IO threads only: write the coldest dirty, unheld host chunk to a write-back
+        tier now and mark it clean (evictable), for a promotion on ``pool`` that found
+        every slot held or dirty; the time is the load's ``slot`` stage. False if there
+        is no such chunk, no write-back tier that ``pool`` serves may be written, or the
+        write failed (the chunk stays dirty)."""
+        # one write-back tier of the calling pool, whose breaker is closed and which has
+        # no call overdue: a chunk is clean once ONE tier holds it (issue 32), and a
+        # load's thread never writes to a tier that is down or hanging, nor to another
+        # pool's tier (one that has just hung would hang this pool with it: review N12)
+        up = [t for t in self._back if self._pool_of(t) is pool
+              and ((b := self._breaker_of.get(id(t))) is None
+                   or (b.up and not b.overdue(b.stuck_s)))]
         if not up:
             return False
         t0 = time.perf_counter()
