@@ -196,6 +196,13 @@ class RestoreConfig(_Model):
     #: chunk at ``health.min_mib_per_second``, is abandoned and the request recomputed;
     #: the stuck read's slots are released when it returns.
     load_timeout_seconds: float = Field(2.0, gt=0, le=600)
+    #: The shortest a wait on a tier that stopped answering is cut to: a probe or a load
+    #: whose read has run this long past its bytes' allowance is given up after the
+    #: measured recompute of what it would save, but never before this
+    #: (``kvtier.vllm.waitbound``). Raise it where a healthy shared tier's reads take
+    #: longer than this on a busy node and restores matter more than the seconds
+    #: (never above the two timeouts above, which stay the upper bounds).
+    min_wait_seconds: float = Field(0.2, gt=0, le=600)
     #: P/D decode node: how long to wait for the chunks the prefill node announced
     #: (``kv_transfer_params``) to become visible in the shared tier before computing.
     wait_seconds: float = Field(10.0, ge=0, le=600)

@@ -104,14 +104,16 @@ class Breaker:
             self._go_down(why)
         self._publish()
 
-    def overdue(self, seconds: float) -> bool:
-        """Has a call in flight been running for ``seconds`` plus its bytes' allowance?
-        A tier that has stopped answering shows it here long before any call returns
-        (or ``slow_s`` trips the breaker); a long healthy write of a large chunk is not
-        overdue. Memory only."""
+    def overdue(self, seconds: float, *, reads: bool = False) -> bool:
+        """Has a call in flight (with ``reads``: a read) been running for ``seconds``
+        plus its bytes' allowance? A tier that has stopped answering shows it here long
+        before any call returns (or ``slow_s`` trips the breaker); a long healthy write
+        of a large chunk is not overdue. Writes are left out with ``reads``: a write's
+        fsync on a busy shared filesystem takes far longer than a read. Memory only."""
         now = self.clock.monotonic()
         with self._lock:
-            return any(now - t0 >= seconds + allow for t0, allow in self._calls.values())
+            return any(now - t0 >= seconds + allow for cid, (t0, allow) in self._calls.items()
+                       if not reads or cid in self._read_ids)
 
     def allowance(self, nbytes: int) -> float:
         """Seconds a healthy call moving ``nbytes`` may take beyond ``slow_s``."""

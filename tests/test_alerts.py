@@ -9,7 +9,7 @@ import yaml
 
 from kvtier.metrics import SERIES
 
-RULES = Path(__file__).resolve().parent.parent / "configs" / "prometheus-alerts.yaml"
+RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus-alerts.yaml"
 
 
 def test_every_alert_names_a_series_kvtier_exports() -> None:

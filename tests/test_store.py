@@ -610,3 +610,44 @@ def test_a_wait_for_a_slot_ends_when_the_load_is_cancelled(
         assert store.host.index.num_held() == 0
     finally:
         store.close()
+
+
+def test_a_chunk_hot_in_the_host_pool_keeps_its_lower_copy_fresh(tmp_path: Path) -> None:
+    """Review N9: a host hit never restamped the chunk's shared copy, and a save that
+    found the object there (EXISTS) renewed nothing, so its lease ran out (the router's
+    expiry, 480 s) under a chunk hot in memory. Now each restamps the copy, at most once
+    per ``touch_interval``."""
+    from kvtier.config import HealthConfig
+    from kvtier.health import breakers_for
+
+    clock = ManualClock(start=1_700_000_000.0)
+    tier = FileTier(tmp_path / "t", 1 << 30, clock=clock, touch_interval=60.0, name="file1")
+    host = HostTier(8 * PAYLOAD, PAYLOAD, clock=clock)
+    pool = IOPool(1, 64, name="io-file1")
+    store = TieredStore(host, [LowerTier(tier, WritePolicy.THROUGH)], pool,
+                        breakers=breakers_for(["file1"], HealthConfig(), 1, clock),
+                        tier_io=[pool])
+
+    def stamp(key: ChunkKey) -> float:
+        (path,) = (tmp_path / "t").rglob(key.hex() + "*")
+        return os.stat(path).st_mtime
+
+    try:
+        key = make_key(5)
+        assert store.put(meta_for(key), payload_for(key))
+        assert store.flush(10)
+        written = stamp(key)
+        clock.advance(100.0)
+        store.load(store.lookup_indexed([key])).result(timeout=10).release()  # a host hit
+        assert store.flush(10)
+        assert stamp(key) == pytest.approx(written + 100.0)
+        clock.advance(10.0)  # within touch_interval: not stamped again
+        store.load(store.lookup_indexed([key])).result(timeout=10).release()
+        assert store.flush(10)
+        assert stamp(key) == pytest.approx(written + 100.0)
+        clock.advance(100.0)  # a save of the same chunk finds it there: a use too
+        assert tier.put(meta_for(key), payload_for(key).data) is PutStatus.EXISTS
+        assert stamp(key) == pytest.approx(written + 210.0)
+    finally:
+        store.close(timeout=5)
+        tier.close()

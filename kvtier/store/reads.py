@@ -31,7 +31,7 @@ the probes on probe threads.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import NamedTuple
@@ -47,6 +47,11 @@ from kvtier.store.types import HOST, Held, Hit, LoadProgress, Lookup
 from kvtier.store.writeback import WriteBack
 from kvtier.tiers.base import SharedTier, Tier
 
+#: A host hit asks the lower tiers to refresh the chunk's copy at most this often per key
+#: (each tier restamps at most once per its own ``touch_interval``), remembering this
+#: many keys (``Reads._refresh_below``).
+REFRESH_MIN_S = 30.0
+REFRESHED_MAX = 65536
 #: A read that finds another thread filling the host slot of its key re-checks its own
 #: cancellation this often while it waits for that fill (``Reads._promote_one``).
 SETTLE_SLICE_S = 0.05
@@ -147,7 +152,7 @@ class Reads(WriteBack):
                     break
                 if any(self._ask(lt.tier, key) for lt, b in zip(self.lower, self.breakers,
                                                                 strict=True)
-                       if stalled_s is None or not b.overdue(stalled_s)):
+                       if stalled_s is None or not b.overdue(stalled_s, reads=True)):
                     n += 1
                     continue
                 with self._lock:
@@ -306,7 +311,39 @@ class Reads(WriteBack):
         if got is None:
             self.host.metrics.miss()
             return None
+        self._refresh_below(key)
         return Hit(got[0], got[1], HOST)
+
+    def _refresh_below(self, key: ChunkKey) -> None:
+        """A host hit is a use of the chunk's lower-tier copies too: queue their
+        ``refresh`` (a restamp at most once per tier's ``touch_interval``, and this
+        asks at most once per ``REFRESH_MIN_S`` per key), so an object hot only in the
+        host pool does not expire below it (review N9). Only tiers whose index knows
+        the key, whose breaker is up and that have no call overdue. Memory only."""
+        now = self.host.clock.monotonic()
+        with self._lock:
+            last = self._refreshed.get(key)
+            if last is not None and now - last < REFRESH_MIN_S:
+                return
+            self._refreshed[key] = now
+            self._refreshed.move_to_end(key)
+            while len(self._refreshed) > REFRESHED_MAX:
+                self._refreshed.popitem(last=False)
+        for lt, b in zip(self.lower, self.breakers, strict=True):
+            refresh = getattr(lt.tier, "refresh", None)
+            if refresh is None or not b.up or b.overdue(b.stuck_s) or \
+                    not lt.tier.indexed(key):
+                continue
+            self._submit(partial(self._refresh_one, lt.tier, refresh, key), "refresh",
+                         self._pool_of(lt.tier), count_drop=False)
+
+    def _refresh_one(self, tier: Tier, refresh: Callable[[ChunkKey], bool],
+                     key: ChunkKey) -> None:
+        try:
+            with self._call(tier, read=False):
+                refresh(key)
+        except TierUnavailable:
+            pass
 
     def _indexed_below(self, key: ChunkKey, tier: int = HOST) -> int | None:
         """The first tier below ``tier`` whose breaker is up and whose index knows ``key``

@@ -50,7 +50,7 @@ class StoreState:
 
     * ``_lock`` (this store's one lock, never held across I/O or a call into a lower
       tier; the host index's lock may be taken inside it, never the other way round)
-      guards ``_probe_misses``, ``_offered``, ``_spilling``, ``_collecting`` and the
+      guards ``_probe_misses``, ``_offered``, ``_refreshed``, ``_spilling``, ``_collecting`` and the
       counts a write fan-out keeps while its parts end on several IO threads.
     * The host tier's slot index has its own lock: slot states, holds and dirty bits
       (``host.index.*``) may be asked and changed from any thread; a slot the caller
@@ -90,6 +90,7 @@ class StoreState:
         self.probe_io = IOPool(probe_threads, PROBE_QUEUE, name="probe")
         self._probe_misses: OrderedDict[ChunkKey, float] = OrderedDict()  # key -> when
         self._offered: OrderedDict[ChunkKey, float] = OrderedDict()  # re-offered -> when
+        self._refreshed: OrderedDict[ChunkKey, float] = OrderedDict()  # host hit -> when
         #: One circuit breaker per lower tier (``kvtier/health.py``), in ``lower`` order.
         self.breakers = list(breakers) if breakers is not None else breakers_for(
             [lt.tier.name for lt in self.lower], HealthConfig(), io.num_threads)
@@ -168,17 +169,19 @@ class StoreState:
     def can_probe(self, stalled_s: float | None = None) -> bool:
         """Memory only: would ``probe`` ask any lower tier now? (No tier, every tier
         down, or every tier at its read bound: asking would only queue behind a hang.)
-        With ``stalled_s``, a tier with a call overdue by that long (``Breaker.overdue``:
+        With ``stalled_s``, a tier with a read overdue by that long (``Breaker.overdue``:
         it is not answering now) is not asked either."""
-        return any(b.available() and not (stalled_s is not None and b.overdue(stalled_s))
+        return any(b.available() and not (stalled_s is not None
+                                          and b.overdue(stalled_s, reads=True))
                    for b in self.breakers)
 
     def stalled(self, progress: LoadProgress, seconds: float) -> bool:
-        """Memory only: has a call to a tier that ``progress``'s load or probe may wait on
+        """Memory only: has a read of a tier that ``progress``'s load or probe may wait on
         (``LoadProgress.tiers``) been running for ``seconds`` plus its bytes' allowance
-        (``Breaker.overdue``)? A load idle for that long behind healthy IO (other loads, a
-        write) is queued, not hung; this tells the two apart (``kvtier.vllm.waitbound``)."""
-        return any(self.breakers[t - 1].overdue(seconds)
+        (``Breaker.overdue``; writes are left out: a busy filesystem's fsync is slow)? A
+        load idle for that long behind healthy IO (other loads, a write) is queued, not
+        hung; this tells the two apart (``kvtier.vllm.waitbound``)."""
+        return any(self.breakers[t - 1].overdue(seconds, reads=True)
                    for t in progress.tiers if 0 < t <= len(self.breakers))
 
     def indexes_filling(self) -> bool:

@@ -349,6 +349,7 @@ class ObjectTier:
         # the object) must not turn a write-through into a silent no-op.
         if create and (self.transport.cheap_head or meta.key in self.index) \
                 and self._present(meta.key):
+            self.refresh(meta.key)
             return PutStatus.EXISTS
         if meta.object_len > min(self.capacity, MAX_SIZE):
             return PutStatus.NO_SPACE
@@ -358,6 +359,7 @@ class ObjectTier:
             stamp = self.transport.write(meta.key, header, body, create=create,
                                          now=self._clock.wall())
         except Exists:
+            self.refresh(meta.key)
             return PutStatus.EXISTS
         except self.transport.faults as e:
             if not is_full(e):
@@ -471,6 +473,21 @@ class ObjectTier:
                                  object_len=total)[0]
         except CorruptObject:
             return None
+
+    @property
+    def touch_interval(self) -> float:
+        """Seconds between two writes of an object's shared stamp (recency, lease)."""
+        return self._touch_interval
+
+    def refresh(self, key: ChunkKey) -> bool:
+        """``renew`` unless this node stamped ``key`` within ``touch_interval``: a save
+        that found the object there already (``EXISTS``) or a hit on a copy held above
+        (the host pool) is a use, and without it the object's lease ran out under a
+        chunk hot in memory (review N9). False if it was not stamped now."""
+        entry = self.index.get(key)
+        if entry is not None and self._clock.wall() - entry.touched < self._touch_interval:
+            return False
+        return self.renew(key)
 
     def renew(self, key: ChunkKey) -> bool:
         """Restart the object's lease now; ``False`` if it is not there."""

@@ -11,11 +11,13 @@ stall allowance), which stay the upper bound. Before the engine's first prefill 
 nothing is measured and the configured seconds apply.
 
 When the bound applies (``seconds``): a wait idle for the bound is given up if the storage
-is *stalled* (a call to a tier the wait may be waiting on has itself been running for the
-bound: ``TieredStore.stalled``) or *suspect* (a wait ran out in the last ``suspect_s``).
-Otherwise it may run to the configured seconds: a load idle behind healthy IO (queued
-behind other loads or a write on its tier's pool) is not hung, and abandoning it would
-turn a restore into a recompute.
+is *stalled* (a read of a tier the wait may be waiting on has itself been running for the
+floor past its bytes' allowance: ``TieredStore.stalled``). Otherwise it may run to the
+configured seconds: a load idle behind healthy IO (queued behind other loads or a write
+on its tier's pool) is not hung, and abandoning it would turn a restore into a
+recompute. After a wait ran out, the storage is *suspect* for ``suspect_s``: lookups then
+take no read grace and saves wait for a slot no longer than the bound. The floor is
+``restore.min_wait_seconds``.
 
 Why: on a tiny model a recompute costs 0.02 to 0.09 s. With the configured 1 s probe and
 2 s load deadlines, a FUSE mount hung mid-run made each new prompt in flight wait 1 s and
@@ -93,23 +95,24 @@ class WaitBound:
     def seconds(self, configured_s: float, start_tokens: int, end_tokens: int, now: float,
                 stalled: Callable[[float], bool] | None = None) -> float:
         """How long a wait for tokens ``[start_tokens, end_tokens)`` may stay idle, asked
-        at ``now`` (the caller's clock) as it waits: ``limit`` while the storage is
-        suspect or ``stalled(evidence_s)`` (a call it waits on has run that long past its
-        bytes' allowance), else the configured seconds. Asked again each step, so a call
-        that stalls later cuts the wait then."""
+        at ``now`` (the caller's clock) as it waits: ``limit`` while ``stalled(evidence_s)``
+        (a read it may wait on has run that long past its bytes' allowance), else the
+        configured seconds. Asked again each step, so a read that stalls later cuts the
+        wait then. An earlier wait that ran out (``suspect``) does not cut it by itself:
+        a tier that hangs keeps its hung reads in flight, so the evidence stays while the
+        hang does, and on a loaded node one slow read must not turn a minute of queued
+        restores into recomputes (the P/D tests did, with both cores busy)."""
         bound = self.limit(configured_s, start_tokens, end_tokens)
-        if bound >= configured_s or self.suspect(now) or (stalled is not None
-                                                          and stalled(self.evidence_s)):
+        if bound >= configured_s or (stalled is not None and stalled(self.evidence_s)):
             return bound
         return configured_s
 
     @property
     def evidence_s(self) -> float:
-        """A call this much past its bytes' allowance is not answering now (``stalled``):
-        half the floor, so that a wait whose own call hangs is given up at its bound,
-        not later, while healthy calls (milliseconds, a few tens under load) never
-        qualify."""
-        return self.floor_s / 2
+        """A read this much past its bytes' allowance is not answering now (``stalled``):
+        the floor, so that a wait whose own read hangs is given up about when its bound
+        runs out, while healthy reads (milliseconds, tens under load) rarely qualify."""
+        return self.floor_s
 
     def save_seconds(self, configured_s: float, tokens: int, now: float) -> float:
         """How long a save of ``tokens`` may wait for a host slot: the configured seconds,

@@ -124,7 +124,12 @@ def pd(tiny_fp32: Path, ceph: CephCluster) -> Iterator[PD]:
                 "tiers": [{"host": {"capacity": "64MiB"}},
                           {"file": {"path": str(cephfs_dir(ceph, name, node=node)),
                                     "capacity": "1GiB", "write": "through"}}],
-                "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30},
+                # min_wait_seconds: the tiny model recomputes a turn in ~0.03 s, less
+                # than a CephFS read takes with both cores busy (0.2-0.3 s for 4
+                # chunks, CI), so by default a slow read is rightly given up; these
+                # tests are about the hand-off, so restores may wait for the reads
+                "restore": {"recompute_threshold_tokens": THRESHOLD, "wait_seconds": 30,
+                            "min_wait_seconds": 1.0},
                 "retention": {"lease_seconds": LEASE},
             }))
         p_cpus, d_cpus = split_cpus(2)  # a shared core starves the prefill while decode waits

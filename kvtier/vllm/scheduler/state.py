@@ -108,7 +108,7 @@ class SchedulerState:
         #: every wait on storage by the recompute it would save (``waitbound``)
         steps_model = self.policy.model or CostModel(warmup_steps=cfg.restore.auto_warmup_steps)
         self.step_timer: StepTimer | None = StepTimer(steps_model, self.slot_bytes // self.bpc)
-        self.waits = WaitBound(steps_model.steps)
+        self.waits = WaitBound(steps_model.steps, floor_s=cfg.restore.min_wait_seconds)
         self._lookups: dict[str, _Staging] = {}
         self._saves: dict[str, _Save] = {}
         #: req -> its save streamed through the host pool (``Saves._save_pieces``)
