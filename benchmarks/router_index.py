@@ -1,7 +1,7 @@
 """What a shared tier's index costs the router process (issue 33 item 5).
 
-The router opens the lower tiers with their ``CompactIndex`` (``kvtier.router.leases.
-TierRenewer``). This fills one index with ``N`` random 16-byte keys the way a start scan
+The router opens the lower tiers with their ``CompactIndex`` (``kvtier.router.storage.
+RouterTiers``). This fills one index with ``N`` random 16-byte keys the way a start scan
 does (``add_scanned`` in batches, then ``finish_scan``) and prints the process's RSS
 growth, bytes per object and the peak RSS (``VmHWM``: a growing slab or table is copied).
 

@@ -23,14 +23,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvtier.keys import ChunkKey, key_from_hex
+from kvtier.objformat import ChunkMeta
 from kvtier.tiers.base import SharedTier
 
 log = logging.getLogger("kvtier.lease")
 
 
-def renew_chain(tiers: Sequence[SharedTier], last_key_hex: str, max_chunks: int = 65536) -> int:
+class ChainTier(Protocol):
+    """What ``renew_chain`` asks of a tier (a ``SharedTier``, or the router's guarded
+    view of one)."""
+
+    def renew(self, key: ChunkKey) -> bool: ...
+
+    def read_meta(self, key: ChunkKey) -> ChunkMeta | None: ...
+
+
+def renew_chain(tiers: Sequence[ChainTier], last_key_hex: str, max_chunks: int = 65536) -> int:
     """Renew the chain ending at ``last_key_hex`` in every tier that holds it.
 
     Walks parent links from the last chunk to the first; returns the number of chunks

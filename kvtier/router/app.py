@@ -67,7 +67,7 @@ from kvtier.router.backends import BackendPool, Role, check_status
 from kvtier.router.conversations import ConversationMap
 from kvtier.router.guard import TENANT, Authenticator, ConcurrencyLimit, bearer_token, require_key
 from kvtier.router.health import HealthCache
-from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, TierRenewer
+from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper
 from kvtier.router.metrics import RouterMetrics, Turn
 from kvtier.router.planner import Planner
 from kvtier.router.prefix import DEFAULT_CHUNK_TOKENS, Held, HeldLookup, PrefixReader, Unkeyed
@@ -88,6 +88,7 @@ from kvtier.router.protocol import (
     prompt_usage,
     read_body,
 )
+from kvtier.router.storage import BoundedExecutor, RouterTiers
 from kvtier.router.tenants import TenantRegistry, salt_of
 from kvtier.router.upstream import Upstream
 
@@ -102,8 +103,11 @@ class Router:
     """The request handlers and the state they share (see the module invariants)."""
 
     def __init__(self, settings: RouterSettings, clock: Clock, renewer: ChainRenewer | None,
-                 collector: Collector | None = None, prefix: PrefixReader | None = None) -> None:
+                 collector: Collector | None = None, prefix: PrefixReader | None = None,
+                 lease_executor: BoundedExecutor | None = None) -> None:
         s = self.settings = settings
+        #: the shared tiers the router opened itself (``build_app``), for ``/health``
+        self.tiers: RouterTiers | None = None
         self.prefix = prefix or PrefixReader(DEFAULT_CHUNK_TOKENS, None,
                                              probe_timeout=s.probe_timeout)
         self.clock = clock
@@ -122,7 +126,8 @@ class Router:
         self.leases = LeaseKeeper(self.conversations, self.metrics, s.heartbeat_interval,
                                   renewer, collector, clock=clock,
                                   lease_seconds=s.lease_seconds,
-                                  concurrency=s.renew_concurrency)
+                                  concurrency=s.renew_concurrency,
+                                  executor=lease_executor)
         tenants = None if s.tenants is None else TenantRegistry(
             s.tenants, clock, loaded=lambda result: self.metrics.tenant_reloads.labels(
                 result).inc())
@@ -358,7 +363,10 @@ class Router:
             if pending is not None:
                 await pending
             detailed = self.auth.identify(bearer_token(request.headers.get(AUTHORIZATION)))[0]
-        return web.json_response(state.body(detailed), status=200 if state.ok else 503)
+        body = state.body(detailed)
+        if detailed and self.tiers is not None:  # a tier down is not unhealthy: P/D goes on
+            body["tiers"] = self.tiers.states()
+        return web.json_response(body, status=200 if state.ok else 503)
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         return self.metrics.render()
@@ -394,16 +402,20 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
     renewal and collection that ``settings.tiers`` would set up (tests pass fakes); without
     either, that part is off. ``settings.collect=False`` turns the tiers' collector off.
     Raises ``TenantsError`` if ``settings.tenants`` cannot be loaded."""
-    owned: TierRenewer | None = None
+    owned: RouterTiers | None = None
     if renewer is None and settings.tiers is not None:
-        renewer = owned = TierRenewer(settings.tiers, clock)
+        # never waits on storage: a tier not open within OPEN_BOUND_S joins when it answers
+        owned = RouterTiers(settings.tiers, clock, lease_threads=settings.renew_concurrency + 1)
+        renewer = owned.renew_chain
         if collector is None and settings.collect:
             collector = functools.partial(owned.expire, settings.lease_seconds)
     prefix = PrefixReader(
         owned.chunk_tokens if owned is not None else DEFAULT_CHUNK_TOKENS,
-        HeldLookup(owned.tiers) if owned is not None else None,
+        HeldLookup(owned.tiers, executor=owned.probes) if owned is not None else None,
         probe_timeout=settings.probe_timeout)
-    router = Router(settings, clock, renewer, collector, prefix)
+    router = Router(settings, clock, renewer, collector, prefix,
+                    lease_executor=owned.leases if owned is not None else None)
+    router.tiers = owned
     guards: list[Middleware] = [router.limit.middleware]  # authentication goes first
     if router.auth is not None:
         guards.insert(0, require_key(router.auth, router.metrics.reject))

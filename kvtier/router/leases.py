@@ -3,8 +3,10 @@ objects past their lease, on demand and on a heartbeat.
 
 Invariants:
 
-* Blocking lease work (renewal, collection) runs in a worker thread (``asyncio.to_thread``),
-  never on the loop.
+* Blocking lease work (renewal, collection) runs on the keeper's own lease threads
+  (``kvtier.router.storage.BoundedExecutor``), never on the loop nor on asyncio's default
+  executor; a renewal is waited for at most ``LEASE_CALL_TIMEOUT_S``, a collection at
+  most a beat, and no collection starts while the last has not returned.
 * One heartbeat (``beat_once``) renews the chains of live conversations, then runs the
   collector, if there is one, to remove objects past their lease. A failure is logged and
   the heartbeat goes on; a heartbeat never stops the router.
@@ -26,8 +28,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 
@@ -36,12 +38,23 @@ from kvtier.router import DEFAULT_RENEW_CONCURRENCY
 from kvtier.router.conversations import ConversationMap, ConversationState
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.protocol import RouterError
+from kvtier.router.storage import BoundedExecutor
 from kvtier.tiers.base import TierError
 
 log = logging.getLogger(__name__)
 
 ChainRenewer = Callable[[str], int]  # last_key_hex -> chunks renewed; blocking
 Collector = Callable[[], int]  # removes objects past their lease -> how many; blocking
+
+
+#: A renewal waited for at most this long (``POST /v1/kvtier/renew``, each one of a
+#: heartbeat's): a chain of thousands of chunks on S3 takes seconds; a tier that hangs
+#: then costs the caller this once, and its breaker skips the tier from then on.
+LEASE_CALL_TIMEOUT_S = 10.0
+
+
+class _Busy(Exception):
+    """Every lease thread is busy."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,8 @@ class LeaseKeeper:
                  interval: float, renewer: ChainRenewer | None,
                  collector: Collector | None, *, clock: Clock, lease_seconds: float,
                  concurrency: int = DEFAULT_RENEW_CONCURRENCY,
-                 budget: float | None = None) -> None:
+                 budget: float | None = None, executor: BoundedExecutor | None = None,
+                 call_timeout: float = LEASE_CALL_TIMEOUT_S) -> None:
         if concurrency < 1:
             raise ValueError(f"renew concurrency must be >= 1, got {concurrency}")
         self.conversations, self.metrics, self.interval = conversations, metrics, interval
@@ -69,6 +83,20 @@ class LeaseKeeper:
         self.concurrency = concurrency
         self.budget = interval / 2 if budget is None else budget  # seconds per beat
         self._lapsed: set[str] = set()  # counted as lapsed, not renewed since
+        #: renewals and collection run here, never on asyncio's default executor (which
+        #: aiohttp's DNS resolution and the tenants-file refresh use): a hung tier holds
+        #: at most its threads, and a call finding them all busy is refused
+        self.executor = executor or BoundedExecutor(concurrency + 1, "lease")
+        self.call_timeout = call_timeout
+        self._collecting: Future[int] | None = None
+
+    async def _run(self, fn: Callable[[str], int], arg: str) -> int:
+        """``fn(arg)`` on a lease thread, waited for at most ``call_timeout`` seconds (the
+        thread itself ends when its tier answers); ``_Busy`` if no thread is free."""
+        fut = self.executor.submit(fn, arg)
+        if fut is None:
+            raise _Busy
+        return await asyncio.wait_for(asyncio.wrap_future(fut), self.call_timeout)
 
     async def renew_chain(self, cid: str, last_key: str | None) -> int:
         """Renew the chain ending at ``last_key`` now; returns chunks renewed. Raises
@@ -79,7 +107,15 @@ class LeaseKeeper:
         if last_key is None:
             return 0
         try:
-            renewed = await asyncio.to_thread(self.renewer, last_key)
+            renewed = await self._run(self.renewer, last_key)
+        except _Busy:
+            raise RouterError(503, f"renewing conversation {cid!r}: every lease thread is "
+                              "busy (a shared tier is not answering); try again later",
+                              "service_unavailable") from None
+        except TimeoutError:
+            raise RouterError(504, f"renewing conversation {cid!r} took over "
+                              f"{self.call_timeout:g} s (a shared tier is not answering)",
+                              "timeout") from None
         except ImportError as e:
             raise RouterError(501, f"lease renewal is unavailable: {e}",
                               "not_implemented_error") from None
@@ -141,8 +177,24 @@ class LeaseKeeper:
         which is logged: the heartbeat must go on)."""
         if self.collector is None:
             return 0
+        if self._collecting is not None and not self._collecting.done():
+            log.warning("lease collector: the last run has not returned (a shared tier "
+                        "is not answering); not starting another")
+            return 0
+        fut = self.executor.submit(self.collector)
+        if fut is None:
+            log.warning("lease collector: every lease thread is busy; retrying next "
+                        "heartbeat")
+            return 0
+        self._collecting = fut
         try:
-            removed = await asyncio.to_thread(self.collector)
+            # a collection walks the whole tier: it may take the whole beat, not longer
+            removed = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)),
+                                             max(self.call_timeout, self.interval))
+        except TimeoutError:
+            log.warning("lease collector still running after %.0f s; the heartbeat goes "
+                        "on", max(self.call_timeout, self.interval))
+            return 0
         except (TierError, OSError, ImportError) as e:
             log.warning("lease collector failed; retrying next heartbeat: %s", e)
             return 0
@@ -173,34 +225,3 @@ class LeaseKeeper:
                 continue
             log.debug("lease heartbeat renewed %d chunks, expired %d objects",
                       beat.renewed, beat.expired)
-
-
-class TierRenewer:
-    """Renews lease chains on, and collects expired objects from, the shared tiers of a
-    kvtier config (blocking; call it from a worker thread). ``kvtier.lease`` is imported on
-    first use."""
-
-    def __init__(self, config: Path, clock: Clock) -> None:
-        from kvtier.build import build_lower_tiers
-        from kvtier.config import load_config
-
-        cfg = load_config(config)
-        self.chunk_tokens = cfg.chunk_tokens  # the engines' (they share this config)
-        self.tiers = [lt.tier for lt in build_lower_tiers(cfg, clock)]
-
-    def __call__(self, last_key_hex: str) -> int:
-        from kvtier.lease import renew_chain
-
-        renewed: int = renew_chain(self.tiers, last_key_hex)
-        return renewed
-
-    def expire(self, lease_seconds: float) -> int:
-        """Remove every object not used or renewed for ``lease_seconds``; returns count."""
-        from kvtier.lease import expire_all
-
-        removed: int = expire_all(self.tiers, lease_seconds)
-        return removed
-
-    def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()

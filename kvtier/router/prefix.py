@@ -35,8 +35,11 @@ Invariants:
 * A prompt whose keys cannot be computed has no held count (``Unkeyed`` names why): the
   caller sends it through the prefill hop.
 * ``NamespaceBook`` and ``HeldLookup.index_prefix`` run on the event loop's thread and
-  touch memory only; ``HeldLookup.probe`` does I/O and runs on a worker thread (it reads
-  and writes only its own ``Probe``, and the tiers, which any thread may call).
+  touch memory only; ``HeldLookup.probe`` does I/O and runs on a probe thread of the
+  lookup's own ``BoundedExecutor`` (it reads and writes only its own ``Probe``, and the
+  tiers, which any thread may call). A turn that finds every probe thread busy (a hung
+  tier holds them) is priced from the index alone: nothing queues behind a hang
+  (``kvtier.router.storage``).
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvtier.keys import ChunkKey, chunk_keys, tail_key
-from kvtier.tiers.base import Tier
+from kvtier.router.storage import PROBE_THREADS, BoundedExecutor
 
 #: Why a prompt's held prefix is unknown (a ``kvtier_router_pd_decisions_total`` reason).
 Unkeyed = Literal["no_tier", "multimodal", "unsupported_prompt", "no_namespace",
@@ -178,19 +181,32 @@ class PromptKeys:
         return [(t, tail_key(prev, self.ids[lo: lo + t])) for t in range(room, 0, -g)]
 
 
-class HeldLookup:
-    """How much of a prompt's chain the shared tiers hold (see the module docstring)."""
+class LookupTier(Protocol):
+    """What a lookup asks of a shared tier (``kvtier.router.storage.GuardedTier``: each
+    call under the tier's breaker, answering "not stored" while it refuses)."""
 
-    def __init__(self, tiers: Sequence[Tier], *, max_heads: int = DEFAULT_MAX_HEADS) -> None:
+    def indexed(self, key: ChunkKey) -> bool: ...
+
+    def stored(self, key: ChunkKey) -> bool: ...
+
+
+class HeldLookup:
+    """How much of a prompt's chain the shared tiers hold (see the module docstring).
+    Probes run on ``executor``'s threads, never on asyncio's default executor (aiohttp's
+    DNS resolution and the tenants-file refresh use that one)."""
+
+    def __init__(self, tiers: Sequence[LookupTier], *, max_heads: int = DEFAULT_MAX_HEADS,
+                 executor: BoundedExecutor | None = None) -> None:
         self.tiers = list(tiers)
         self.max_heads = max_heads
+        self.executor = executor or BoundedExecutor(PROBE_THREADS, "probe")
 
     def _indexed(self, key: ChunkKey) -> bool:
         return any(t.indexed(key) for t in self.tiers)
 
     def _stored(self, key: ChunkKey, probe: Probe) -> bool:
         probe.heads += 1
-        return any(t.contains_prefix([key]) == 1 for t in self.tiers)
+        return any(t.stored(key) for t in self.tiers)
 
     def index_prefix(self, pk: PromptKeys) -> int:
         """Leading chunks the tiers' indexes know (memory only)."""
@@ -255,6 +271,8 @@ class PrefixReader:
         self.book = NamespaceBook(chunk_tokens)
         self.lookup = lookup
         self.probe_timeout = probe_timeout
+        #: probes not made because every probe thread was busy (priced by the index)
+        self.skipped = 0
 
     async def held(self, identity: Identity, ids: Sequence[int]) -> Held | Unkeyed:
         if self.lookup is None:
@@ -266,9 +284,12 @@ class PrefixReader:
         probe = Probe(lookup.index_prefix(pk))
         if lookup.needs_probe(pk, probe.chunks):
             stop = threading.Event()
+            fut = lookup.executor.submit(lookup.probe, pk, probe, stop)
+            if fut is None:  # every probe thread is busy (a tier that hangs): the index
+                self.skipped += 1
+                return lookup.held(pk, probe)
             try:
-                await asyncio.wait_for(asyncio.to_thread(lookup.probe, pk, probe, stop),
-                                       self.probe_timeout)
+                await asyncio.wait_for(asyncio.wrap_future(fut), self.probe_timeout)
             except TimeoutError:
                 stop.set()  # the thread ends at its next lookup; what it confirmed counts
         return lookup.held(pk, probe)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.clock import ManualClock
 from kvtier.keys import chunk_keys
 from kvtier.router.prefix import (
     Held,
@@ -20,6 +21,7 @@ from kvtier.router.prefix import (
     prompt_keys,
 )
 from kvtier.router.protocol import parse_request
+from kvtier.router.storage import guarded
 from kvtier.tiers.file import FileTier
 from tests.router.fakes import KVStore
 
@@ -83,7 +85,7 @@ def test_the_probe_finds_the_stored_chain_in_few_lookups(tier: FileTier,
         kv = KVStore(tier)
         book = NamespaceBook(16)
         book.learn((None, None), IDS, kv.save({}, IDS[:150]))  # 9 chunks and a 4-token tail
-        lookup = HeldLookup([other])
+        lookup = HeldLookup(guarded([other], ManualClock()))
         prompt = IDS[:150] + [3] * 100  # 15 restorable chunks
         pk = prompt_keys(book, (None, None), prompt)
         assert pk is not None
@@ -93,7 +95,7 @@ def test_the_probe_finds_the_stored_chain_in_few_lookups(tier: FileTier,
         held = lookup.held(pk, probe)
         assert (held.chunks, held.tail_tokens, held.tokens) == (9, 4, 148)
         assert held.heads == 4 + 3  # a binary search over 15 chunks, then tails of 12, 8, 4
-        bounded = HeldLookup([small], max_heads=2)
+        bounded = HeldLookup(guarded([small], ManualClock()), max_heads=2)
         p = Probe(bounded.index_prefix(pk))
         bounded.probe(pk, p, threading.Event())
         assert p.heads == 2 and p.chunks == 8 and p.tail_tokens == 0  # a lower bound
@@ -115,7 +117,7 @@ def test_a_probe_that_times_out_counts_what_it_confirmed(tier: FileTier) -> None
     slow = SlowTier(tier.root, 1 << 30)
 
     async def scenario() -> Held | str:
-        reader = PrefixReader(16, HeldLookup([slow]), probe_timeout=0.05)
+        reader = PrefixReader(16, HeldLookup(guarded([slow], ManualClock())), probe_timeout=0.05)
         reader.book.learn((None, None), IDS, kv.save({}, IDS))
         try:
             return await reader.held((None, None), IDS + [1] * 40)
