@@ -41,6 +41,12 @@ DEFAULT_MAX_CONCURRENCY = 256
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_RENEW_CONCURRENCY = 8  # chains one heartbeat renews at once
+#: Token ids a prompt may have; longer ones get 400 before any work (a 64 MiB body of ids
+#: is about ten million ids; a million is beyond any model's context today).
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
+#: ``POST /v1/kvtier/renew`` calls a tenant (or, without tenants, all callers) may make
+#: per second, with bursts of four times that; more get 429.
+DEFAULT_RENEW_RATE = 5.0
 API_KEY_ENV = "VLLM_API_KEY"  # the variable vLLM's own --api-key defaults to
 
 
@@ -71,7 +77,12 @@ class RouterSettings:
     pd_default_threshold: int = DEFAULT_THRESHOLD_TOKENS  # until the costs are measured
     pd_max_direct_tokens: int = DEFAULT_MAX_DIRECT_TOKENS  # never decode-only above this
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    #: with tenants: conversations one tenant may have tracked (default a quarter of
+    #: max_conversations): a tenant past it drops its own least recently used one
+    max_conversations_per_tenant: int | None = None
     renew_concurrency: int = DEFAULT_RENEW_CONCURRENCY
+    renew_rate: float = DEFAULT_RENEW_RATE  # renew calls per second per tenant
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     health_interval: float = 1.0  # /health probes the backends at most this often
     tokenize_timeout: float = 1.0  # a prompt not tokenized within this takes the prefill hop
     probe_timeout: float = 0.1  # the held-prefix probe of the tier; what it confirmed counts
@@ -82,7 +93,8 @@ class RouterSettings:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"--{role} {url!r}: must be an http:// or https:// URL")
         for name in ("lease_seconds", "request_timeout", "connect_timeout", "health_timeout",
-                     "body_timeout", "health_interval", "tokenize_timeout", "probe_timeout"):
+                     "body_timeout", "health_interval", "tokenize_timeout", "probe_timeout",
+                     "renew_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("conversation_ttl", "heartbeat_seconds"):
@@ -94,8 +106,10 @@ class RouterSettings:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("max_concurrency", "max_body_bytes", "max_conversations",
-                     "renew_concurrency"):
+                     "renew_concurrency", "max_prompt_tokens", "max_conversations_per_tenant"):
             value = getattr(self, name)
+            if value is None and name == "max_conversations_per_tenant":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("pd_default_threshold", "pd_max_direct_tokens"):
@@ -112,6 +126,13 @@ class RouterSettings:
     @property
     def ttl_seconds(self) -> float:
         return self.conversation_ttl or 0.9 * self.lease_seconds
+
+    @property
+    def tenant_conversations(self) -> int:
+        """Conversations one tenant may have tracked."""
+        if self.max_conversations_per_tenant is not None:
+            return min(self.max_conversations_per_tenant, self.max_conversations)
+        return max(1, self.max_conversations // 4)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -176,6 +197,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-conversations", type=int, default=DEFAULT_MAX_CONVERSATIONS,
                    metavar="N", help="conversations tracked at once; the least recently "
                    f"used one is dropped past it (default {DEFAULT_MAX_CONVERSATIONS})")
+    p.add_argument("--max-conversations-per-tenant", type=int, default=None, metavar="N",
+                   help="with --tenants: conversations one tenant may have tracked; past "
+                   "it the tenant's own least recently used one is dropped (default a "
+                   "quarter of --max-conversations)")
+    p.add_argument("--renew-rate", type=float, default=DEFAULT_RENEW_RATE, metavar="PER_S",
+                   help="POST /v1/kvtier/renew calls per second per tenant (bursts of "
+                   f"4x); more get 429 (default {DEFAULT_RENEW_RATE:g})")
+    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   metavar="N", help="prompts of more token ids get 400 before any work "
+                   f"(default {DEFAULT_MAX_PROMPT_TOKENS})")
     p.add_argument("--renew-concurrency", type=int, default=DEFAULT_RENEW_CONCURRENCY,
                    metavar="N", help="chains a heartbeat renews at once "
                    f"(default {DEFAULT_RENEW_CONCURRENCY})")
@@ -209,7 +240,10 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
         max_conversations=args.max_conversations,
+        max_conversations_per_tenant=args.max_conversations_per_tenant,
         renew_concurrency=args.renew_concurrency,
+        renew_rate=args.renew_rate,
+        max_prompt_tokens=args.max_prompt_tokens,
         tokenize_timeout=args.tokenize_timeout,
         probe_timeout=args.probe_timeout,
     )

@@ -51,6 +51,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -67,7 +68,7 @@ from kvtier.router.backends import BackendPool, Role, check_status
 from kvtier.router.conversations import ConversationMap
 from kvtier.router.guard import TENANT, Authenticator, ConcurrencyLimit, bearer_token, require_key
 from kvtier.router.health import HealthCache
-from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper
+from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, RenewLimiter
 from kvtier.router.metrics import RouterMetrics, Turn
 from kvtier.router.planner import Planner
 from kvtier.router.prefix import DEFAULT_CHUNK_TOKENS, Held, HeldLookup, PrefixReader, Unkeyed
@@ -96,6 +97,8 @@ log = logging.getLogger(__name__)
 
 PATH_HEADER = "X-KVTier-Path"
 REPORT_HEADER = "X-KVTier-Report"  # "hits": return prefix-hit information (with tenants)
+#: Request bodies larger than this are parsed on a worker thread, not the event loop's.
+OFF_LOOP_BYTES = 1 << 20
 HIT_HEADERS = ("X-KVTier-Restored-Tokens", "X-KVTier-Restore-Ms", "X-KVTier-Restored-By-Tier")
 
 
@@ -111,8 +114,9 @@ class Router:
         self.prefix = prefix or PrefixReader(DEFAULT_CHUNK_TOKENS, None,
                                              probe_timeout=s.probe_timeout)
         self.clock = clock
-        self.conversations = ConversationMap(s.ttl_seconds, clock.monotonic,
-                                             s.max_conversations)
+        self.conversations = ConversationMap(
+            s.ttl_seconds, clock.monotonic, s.max_conversations,
+            s.tenant_conversations if s.tenants is not None else None)
         self.pools: dict[Role, BackendPool] = {
             "prefill": BackendPool("prefill", s.prefill, s.backend_cooldown, clock),
             "decode": BackendPool("decode", s.decode, s.backend_cooldown, clock),
@@ -128,6 +132,7 @@ class Router:
                                   lease_seconds=s.lease_seconds,
                                   concurrency=s.renew_concurrency,
                                   executor=lease_executor)
+        self.renew_limit = RenewLimiter(s.renew_rate)
         tenants = None if s.tenants is None else TenantRegistry(
             s.tenants, clock, loaded=lambda result: self.metrics.tenant_reloads.labels(
                 result).inc())
@@ -313,8 +318,11 @@ class Router:
             tenant = request.get(TENANT)
             turn.tenant = tenant
             raw = await read_body(request, self.settings.body_timeout)
-            req = parse_request(endpoint, raw, request.headers,
-                                salt=None if tenant is None else salt_of(tenant))
+            parse = functools.partial(parse_request, endpoint, raw, request.headers,
+                                      salt=None if tenant is None else salt_of(tenant),
+                                      max_prompt_tokens=self.settings.max_prompt_tokens)
+            # a large body is parsed (and its ids checked) off the event loop's thread
+            req = await asyncio.to_thread(parse) if len(raw) > OFF_LOOP_BYTES else parse()
             if self.tenants is not None:
                 req = replace(req, authorization=self.backend_authorization)
             key = self._conversation_key(tenant, req.conversation_id)
@@ -377,6 +385,12 @@ class Router:
         """``POST /v1/kvtier/renew {"conversation_id": ...}``: renew that chain's leases now
         and restart its TTL."""
         try:
+            wait = self.renew_limit.take(request.get(TENANT), self.clock.monotonic())
+            if wait is not None:
+                raise RouterError(429, "too many renew calls: at most "
+                                  f"{self.settings.renew_rate:g} a second (--renew-rate); "
+                                  f"retry in {wait:.1f} s", "rate_limit_exceeded",
+                                  {"Retry-After": str(max(1, math.ceil(wait)))})
             cid = parse_renew(await read_body(request, self.settings.body_timeout))
             key = self._conversation_key(request.get(TENANT), cid)
             assert key is not None
@@ -412,7 +426,7 @@ def build_app(settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK,
     prefix = PrefixReader(
         owned.chunk_tokens if owned is not None else DEFAULT_CHUNK_TOKENS,
         HeldLookup(owned.tiers, executor=owned.probes) if owned is not None else None,
-        probe_timeout=settings.probe_timeout)
+        probe_timeout=settings.probe_timeout, max_ids=settings.max_prompt_tokens)
     router = Router(settings, clock, renewer, collector, prefix,
                     lease_executor=owned.leases if owned is not None else None)
     router.tiers = owned

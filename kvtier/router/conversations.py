@@ -11,6 +11,9 @@ Invariants:
 * The map holds at most ``capacity`` entries: recording one more drops the least recently
   updated (a turn or a renew request updates; a heartbeat's renewal does not), counted in
   ``evictions``. Its chain is then no longer renewed by this router; its KV stays correct.
+  A tenant's entries (keys ``tenant NUL id``) are also capped at ``tenant_capacity``: a
+  tenant past it drops its own least recently updated entry, so one tenant flooding new
+  conversations cannot push the others' out (issue 44).
 * Entries are replaced, never mutated: a ``ConversationState`` is frozen and owns a private
   copy of its params, so concurrent turns of different conversations cannot mix params.
 * Time comes only from the injected ``now`` callable; tests drive it explicitly.
@@ -59,16 +62,21 @@ class ConversationMap:
     """
 
     def __init__(self, ttl_seconds: float, now: Callable[[], float],
-                 capacity: int = DEFAULT_MAX_CONVERSATIONS) -> None:
+                 capacity: int = DEFAULT_MAX_CONVERSATIONS,
+                 tenant_capacity: int | None = None) -> None:
         if ttl_seconds <= 0:
             raise ValueError(f"conversation ttl must be > 0 seconds, got {ttl_seconds}")
-        if capacity < 1:
-            raise ValueError(f"max_conversations must be >= 1, got {capacity}")
+        if capacity < 1 or (tenant_capacity is not None and tenant_capacity < 1):
+            raise ValueError(f"max_conversations must be >= 1, got {capacity} "
+                             f"(per tenant {tenant_capacity})")
         self.ttl_seconds = ttl_seconds
         self.capacity = capacity
+        self.tenant_capacity = tenant_capacity
         self.evictions = 0  # entries dropped for capacity (not for their TTL)
         self._now = now
         self._entries: OrderedDict[str, ConversationState] = OrderedDict()
+        #: a tenant's keys (``tenant NUL id``) in the same order, for its own cap
+        self._of_tenant: dict[str, OrderedDict[str, None]] = {}
 
     def _expired(self, state: ConversationState, now: float) -> bool:
         return now - state.updated >= self.ttl_seconds
@@ -80,7 +88,7 @@ class ConversationMap:
             oldest = next(iter(self._entries.values()))
             if not self._expired(oldest, now):
                 break
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
             dropped += 1
         return dropped
 
@@ -130,7 +138,24 @@ class ConversationMap:
     def _put(self, conversation_id: str, state: ConversationState) -> ConversationState:
         self._entries[conversation_id] = state
         self._entries.move_to_end(conversation_id)
+        tenant, sep, _ = conversation_id.partition("\x00")
+        if sep and self.tenant_capacity is not None:
+            own = self._of_tenant.setdefault(tenant, OrderedDict())
+            own[conversation_id] = None
+            own.move_to_end(conversation_id)
+            while len(own) > self.tenant_capacity:  # a tenant past its share drops its own
+                self._drop(next(iter(own)))
+                self.evictions += 1
         while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
             self.evictions += 1
         return state
+
+    def _drop(self, conversation_id: str) -> None:
+        del self._entries[conversation_id]
+        tenant, sep, _ = conversation_id.partition("\x00")
+        own = self._of_tenant.get(tenant) if sep else None
+        if own is not None:
+            own.pop(conversation_id, None)
+            if not own:
+                del self._of_tenant[tenant]

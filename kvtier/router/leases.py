@@ -51,10 +51,43 @@ Collector = Callable[[], int]  # removes objects past their lease -> how many; b
 #: heartbeat's): a chain of thousands of chunks on S3 takes seconds; a tier that hangs
 #: then costs the caller this once, and its breaker skips the tier from then on.
 LEASE_CALL_TIMEOUT_S = 10.0
+#: A heartbeat skips a chain renewed or written within this fraction of the lease.
+FRESH_FRACTION = 0.25
 
 
 class _Busy(Exception):
     """Every lease thread is busy."""
+
+
+class RenewLimiter:
+    """A token bucket per caller (a tenant; ``None`` without tenants) for
+    ``POST /v1/kvtier/renew``: ``rate`` calls a second, bursts of ``4 * rate``. A renewal
+    walks a whole chain (three requests a chunk on S3), so one caller may not spend the
+    tier's capacity that the others' renewals and restores need. Event loop thread
+    only; time from the caller."""
+
+    BURST = 4.0
+    #: callers remembered at most (a full bucket is forgotten first)
+    MAX_CALLERS = 65536
+
+    def __init__(self, rate: float) -> None:
+        if rate <= 0:
+            raise ValueError(f"renew rate must be > 0, got {rate}")
+        self.rate, self.burst = rate, max(1.0, self.BURST * rate)
+        self._buckets: dict[str | None, tuple[float, float]] = {}  # caller -> (tokens, at)
+
+    def take(self, caller: str | None, now: float) -> float | None:
+        """Spend one call of ``caller``'s at ``now``: None if allowed, else the seconds
+        until one is."""
+        tokens, at = self._buckets.get(caller, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens < 1:
+            self._buckets[caller] = (tokens, now)
+            return (1 - tokens) / self.rate
+        self._buckets[caller] = (tokens - 1, now)
+        if len(self._buckets) > self.MAX_CALLERS:
+            self._buckets.pop(next(iter(self._buckets)))
+        return None
 
 
 @dataclass(frozen=True)
@@ -131,11 +164,34 @@ class LeaseKeeper:
         go on); without a renewer (501) the beat stops."""
         t0 = time.perf_counter()
         start = self.clock.monotonic()
-        order = sorted(self.conversations.live(), key=lambda item: item[1].renewed)
-        self._count_lapsed(order, start)
+        live = sorted(self.conversations.live(), key=lambda item: item[1].renewed)
+        self._count_lapsed(live, start)
+        # a chain renewed (or written) within a quarter lease is not renewed again yet
+        order = [(cid, st) for cid, st in live
+                 if start - st.renewed >= self.lease_seconds * FRESH_FRACTION]
         pending: Iterator[tuple[str, ConversationState]] = iter(order)
         deadline, stop = start + self.budget, False
         done = 0
+        chains: dict[str, asyncio.Future[int]] = {}  # last key -> its renewal this beat
+
+        async def renew_once(cid: str, last_key: str | None) -> int:
+            """Conversations ending in the same chunk share one renewal a beat."""
+            if last_key is None:
+                return await self.renew_chain(cid, None)
+            shared = chains.get(last_key)
+            if shared is not None:
+                await asyncio.shield(shared)
+                return 0  # counted once, by the first
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            chains[last_key] = fut
+            try:
+                n = await self.renew_chain(cid, last_key)
+            except BaseException as e:
+                fut.set_exception(e)
+                fut.exception()  # retrieved: the sharers see it through their own await
+                raise
+            fut.set_result(n)
+            return n
 
         async def worker() -> int:
             nonlocal stop, done
@@ -145,11 +201,19 @@ class LeaseKeeper:
                     break
                 done += 1
                 try:
-                    renewed += await self.renew_chain(cid, state.last_key)
+                    n = await renew_once(cid, state.last_key)
                 except RouterError as e:
                     log.warning("lease heartbeat: %s", e.message)
                     stop = stop or e.status == 501
                     continue
+                shared = state.last_key is not None and chains[state.last_key].result() > 0
+                if n == 0 and not shared and state.last_key is not None:
+                    # nothing of its chain was found: it is not renewed, it lapsed
+                    if cid not in self._lapsed:
+                        self._lapsed.add(cid)
+                        self.metrics.lapsed.inc()
+                    continue
+                renewed += n
                 self.conversations.mark_renewed(cid, self.clock.monotonic())
                 self._lapsed.discard(cid)
             return renewed

@@ -57,9 +57,11 @@ from kvtier.router.storage import PROBE_THREADS, BoundedExecutor
 
 #: Why a prompt's held prefix is unknown (a ``kvtier_router_pd_decisions_total`` reason).
 Unkeyed = Literal["no_tier", "multimodal", "unsupported_prompt", "no_namespace",
-                  "tokenizer"]
+                  "tokenizer", "too_long"]
 UNKEYED: tuple[Unkeyed, ...] = ("no_tier", "multimodal", "unsupported_prompt",
-                                "no_namespace", "tokenizer")
+                                "no_namespace", "tokenizer", "too_long")
+#: Prompts of more ids than this are keyed on a worker thread, not the event loop's.
+OFF_LOOP_IDS = 32_768
 
 #: Identities (salt x model) whose digest is kept; least recently used go first.
 MAX_NAMESPACES = 4096
@@ -254,12 +256,17 @@ def prompt_keys(book: NamespaceBook, identity: Identity,
     got = book.get(identity)
     if got is None:
         return None
-    digest, grain = got
-    ct = book.chunk_tokens
+    return keys_under(got[0], got[1], book.chunk_tokens, ids)
+
+
+def keys_under(digest: bytes, grain: int, chunk_tokens: int,
+               ids: Sequence[int]) -> PromptKeys:
+    """The keys of ``ids`` under ``digest`` (pure: any thread)."""
     # the engine computes at least the prompt's last token: a chunk ending there is not
     # restored, so it is not keyed here either
     restorable = ids[: max(0, len(ids) - 1)]
-    return PromptKeys(digest, ids, chunk_keys(digest, restorable, ct), ct, grain)
+    return PromptKeys(digest, ids, chunk_keys(digest, restorable, chunk_tokens),
+                      chunk_tokens, grain)
 
 
 class PrefixReader:
@@ -267,8 +274,9 @@ class PrefixReader:
     (event loop thread; the probe runs on a worker thread)."""
 
     def __init__(self, chunk_tokens: int, lookup: HeldLookup | None, *,
-                 probe_timeout: float) -> None:
+                 probe_timeout: float, max_ids: int = 1 << 20) -> None:
         self.book = NamespaceBook(chunk_tokens)
+        self.max_ids = max_ids  # longer prompts are not keyed ("too_long")
         self.lookup = lookup
         self.probe_timeout = probe_timeout
         #: probes not made because every probe thread was busy (priced by the index)
@@ -277,9 +285,16 @@ class PrefixReader:
     async def held(self, identity: Identity, ids: Sequence[int]) -> Held | Unkeyed:
         if self.lookup is None:
             return "no_tier"
-        pk = prompt_keys(self.book, identity, ids)
-        if pk is None:
+        if len(ids) > self.max_ids:
+            return "too_long"
+        got = self.book.get(identity)  # the book is the event loop thread's
+        if got is None:
             return "no_namespace"
+        ct = self.book.chunk_tokens
+        if len(ids) > OFF_LOOP_IDS:  # hashing a long prompt is not the event loop's work
+            pk = await asyncio.to_thread(keys_under, got[0], got[1], ct, ids)
+        else:
+            pk = keys_under(got[0], got[1], ct, ids)
         lookup = self.lookup
         probe = Probe(lookup.index_prefix(pk))
         if lookup.needs_probe(pk, probe.chunks):

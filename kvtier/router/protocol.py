@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
 from aiohttp import web
 
+from kvtier.router import DEFAULT_MAX_PROMPT_TOKENS
 from kvtier.router.prefix import Identity, Unkeyed, identity_of
 
 Endpoint = Literal["completions", "chat"]
@@ -179,11 +180,28 @@ def prompt_size(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, int |
     return _text_bytes(prompt), None
 
 
+#: Token ids are keyed as little-endian uint32 (``kvtier.keys.encode_tokens``).
+TOKEN_ID_LIMIT = 2**32
+
+
+def _check_ids(ids: Sequence[int], limit: int) -> None:
+    """``RouterError(400)`` unless ``ids`` are at most ``limit`` ids in ``[0, 2**32)``."""
+    if len(ids) > limit:
+        raise _bad(f"'prompt' has {len(ids)} token ids; the router takes at most {limit} "
+                   "(--max-prompt-tokens)")
+    if min(ids) < 0 or max(ids) >= TOKEN_ID_LIMIT:
+        bad = next(i for i, t in enumerate(ids) if not 0 <= t < TOKEN_ID_LIMIT)
+        raise _bad(f"'prompt' token id {ids[bad]} at position {bad} is out of range: token "
+                   f"ids are integers in [0, {TOKEN_ID_LIMIT})")
+
+
 def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], *,
-                  salt: str | None = None) -> ProxyRequest:
+                  salt: str | None = None,
+                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> ProxyRequest:
     """Validate a client body (and its conversation header), and encode it for the backends
-    once; raises ``RouterError(400)`` naming the offending field. A ``salt`` (the tenant's)
-    replaces the client's ``cache_salt``."""
+    once; raises ``RouterError(400)`` naming the offending field (token ids out of range
+    or more than ``max_prompt_tokens`` of them, too). A ``salt`` (the tenant's) replaces
+    the client's ``cache_salt``."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -211,6 +229,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], *,
     own = {k: body.pop(k) for k in PHASE_FIELDS if k in body}
     size, exact = prompt_size(endpoint, body)
     ids = tuple(body["prompt"]) if exact is not None else None
+    if ids is not None:
+        _check_ids(ids, max_prompt_tokens)
     tokenize, unkeyed = (None, None) if ids is not None else tokenize_request(endpoint, body)
     return ProxyRequest(endpoint, stream, cid, own, encode_json(body),
                         headers.get(AUTHORIZATION), size, exact, identity_of(body), ids,

@@ -50,7 +50,8 @@ PathName = Literal["prefill_decode", "decode_only"]
 #: ``forced`` .. ``long``: ``decide``'s; the rest (``prefix.Unkeyed``): the prompt's held
 #: prefix is unknown, so the turn takes the prefill hop.
 Reason = Literal["forced", "short", "prefill_busy", "decode_busy", "long", "no_tier",
-                 "multimodal", "unsupported_prompt", "no_namespace", "tokenizer"]
+                 "multimodal", "unsupported_prompt", "no_namespace", "tokenizer",
+                 "too_long"]
 
 #: Used until the router has measured its prefill calls: a few hundred tokens of prefill
 #: (tens of ms on a GPU) is about what one extra HTTP hop plus a publish/restore round

@@ -252,6 +252,7 @@ def test_heartbeat_renews_live_chains_then_collects_only_objects_past_the_lease(
         async with harness(prefill=prefill, real_tiers=True, tiers=config,
                            lease_seconds=100.0) as h:
             assert (await stream_text(h, "x", "c"))[0] == 200  # "c" ends at ``live``
+            h.clock.advance(25.0)  # a quarter lease later its chain is due for renewal
             now = h.clock.wall()
             for key, mtime in ((live, now - 101.0), (old, now - 101.0), (fresh, now - 99.0)):
                 os.utime(paths[key], (mtime, mtime))
@@ -286,6 +287,7 @@ def test_a_failing_collector_is_logged_and_the_heartbeat_goes_on(
     async def scenario() -> None:
         async with harness(collector=collector) as h:
             await post(h, {"prompt": "a", "conversation_id": "c"})
+            h.clock.advance(h.client.app[ROUTER_KEY].settings.lease_seconds / 4)  # due
             assert await h.client.app[ROUTER_KEY].leases.beat_once() == Beat(renewed=3, expired=0)
             assert len(h.renewed) == 1
     run(scenario)
