@@ -71,7 +71,14 @@ from kvtier.router.health import HealthCache
 from kvtier.router.leases import ChainRenewer, Collector, LeaseKeeper, RenewLimiter
 from kvtier.router.metrics import RouterMetrics, Turn
 from kvtier.router.planner import Planner
-from kvtier.router.prefix import DEFAULT_CHUNK_TOKENS, Held, HeldLookup, PrefixReader, Unkeyed
+from kvtier.router.prefix import (
+    DEFAULT_CHUNK_TOKENS,
+    DISTRUST_S,
+    Held,
+    HeldLookup,
+    PrefixReader,
+    Unkeyed,
+)
 from kvtier.router.protocol import (
     AUTHORIZATION,
     PATHS,
@@ -189,7 +196,7 @@ class Router:
         if isinstance(ids, str):
             held: Held | Unkeyed = ids
         else:
-            held = await self.prefix.held(req.identity, ids)
+            held = await self.prefix.held(req.identity, ids, self.clock.monotonic())
         turn.lookup_s = time.perf_counter() - t0
         if isinstance(held, Held):
             turn.probe_heads = held.heads
@@ -232,6 +239,8 @@ class Router:
         data, content_type, doc = await self.upstream.call_json("decode", req, body)
         turn.ttft_s = time.perf_counter() - turn.started  # the whole answer (not streamed)
         self.planner.dequeue(turn)
+        if turn.path == "decode_only" and turn.held_tokens:
+            self._check_pricing(req, turn, doc)
         self.planner.remember(key, req, turn, handoff, doc)
         if not show_hits and isinstance(doc, dict) and "kv_transfer_params" in doc:
             doc.pop("kv_transfer_params")
@@ -281,6 +290,26 @@ class Router:
                 pass
             return False
         return True
+
+    def _check_pricing(self, req: ProxyRequest, turn: Turn, doc: object) -> None:
+        """A decode-only answer says what its node restored (kvtier's ``restored_tokens``,
+        or vLLM's ``cached_tokens``, which counts its own prefix cache too): well short of
+        what was priced as held (chunks collected since the router's index saw them), the
+        identity's next lookups check every chunk (``PrefixReader.shortfall``)."""
+        params = kvtier_params(doc)
+        if params is None or "restored_tokens" not in params:
+            return  # not a kvtier engine's answer: nothing to compare
+        served = int(param_number(params, "restored_tokens"))
+        usage = prompt_usage(doc)
+        if usage is not None and usage.cached_tokens is not None:
+            served = max(served, usage.cached_tokens)
+        assert turn.held_tokens is not None
+        if self.prefix.shortfall(req.identity, turn.held_tokens, served,
+                                 self.clock.monotonic()):
+            self.metrics.shortfalls.inc()
+            log.info("decode node restored %d of the %d tokens priced as held; checking "
+                     "this identity's chains chunk by chunk for %.0f s", served,
+                     turn.held_tokens, DISTRUST_S)
 
     def _state_headers(self, key: str | None) -> dict[str, str]:
         if key is None:

@@ -120,6 +120,11 @@ class RouterMetrics:
         self.lapsed = Counter("kvtier_router_leases_lapsed_total",
                               "Live conversations whose chain went a whole lease unrenewed",
                               registry=r)
+        self.shortfalls = Counter(
+            "kvtier_router_pricing_shortfalls_total",
+            "Decode-only turns whose decode node restored under 95% of the tokens priced "
+            "as held (their identity is then checked chunk by chunk for a minute)",
+            registry=r)
         self.heartbeat = Histogram("kvtier_router_heartbeat_renew_seconds",
                                    "Wall time of one heartbeat's lease renewal",
                                    buckets=_LATENCY_BUCKETS, registry=r)

@@ -67,8 +67,13 @@ OFF_LOOP_IDS = 32_768
 MAX_NAMESPACES = 4096
 #: ``chunk_tokens`` when the router has no tiers config (nothing is looked up then).
 DEFAULT_CHUNK_TOKENS = 256
-#: Store lookups one probe may make (a binary search over 1,000 chunks needs 10).
+#: Store lookups one probe may make (a binary search over 1,000 chunks needs 10, and
+#: confirming what the index claims 2 more).
 DEFAULT_MAX_HEADS = 24
+#: A decode-only turn whose decode node restored less than this share of what was priced
+#: as held makes its identity distrusted for ``DISTRUST_S`` (``PrefixReader.shortfall``).
+TRUSTED_SHARE = 0.95
+DISTRUST_S = 60.0
 
 Identity = tuple[str | None, str | None]  # (cache_salt, model)
 
@@ -143,7 +148,9 @@ class Probe:
     """What one probe confirmed so far (written by its worker thread; read after it
     finished or timed out, where a stale read only undercounts)."""
 
-    chunks: int  # leading full chunks confirmed stored
+    indexed: int  # leading full chunks the router's index claims (not yet confirmed)
+    distrusted: bool = False  # the identity's pricing fell short lately: check each chunk
+    chunks: int = 0  # leading full chunks confirmed stored
     tail_tokens: int = 0  # tokens of the longest stored tail of the next chunk
     heads: int = 0  # store lookups made
     done: bool = False
@@ -218,14 +225,44 @@ class HeldLookup:
         return len(pk.keys)
 
     def needs_probe(self, pk: PromptKeys, known: int) -> bool:
-        return known < len(pk.keys) or bool(pk.tail_candidates(known))
+        """Always, where anything may be held: what the index claims is confirmed too."""
+        return bool(pk.keys) or bool(pk.tail_candidates(0))
+
+    def _confirm(self, pk: PromptKeys, probe: Probe, stop: threading.Event) -> tuple[int, int]:
+        """Check the index's claim: ``(lo, hi)``, stored ``[0, lo)``, unknown ``[lo, hi)``.
+
+        The index learns of deletions late (its walk), so a claim is confirmed at the
+        chain's first chunk (the oldest: the first collected, and without it nothing
+        restores) and its last claimed one; if that one is gone, the search goes on below
+        it. An identity whose pricing fell short lately (``distrusted``: a hole in the
+        chain, which the ends do not show) has its chunks checked one by one."""
+        keys, k = pk.keys, probe.indexed
+        if probe.distrusted:
+            for i, key in enumerate(keys):
+                if probe.heads >= self.max_heads or stop.is_set():
+                    return i, len(keys)  # out of budget: a binary search for the rest
+                if not self._stored(key, probe):
+                    return i, i
+                probe.chunks = i + 1
+            return len(keys), len(keys)
+        if k == 0:
+            return 0, len(keys)
+        if not self._stored(keys[0], probe):
+            return 0, 0  # the chain's head is gone: nothing of it restores
+        probe.chunks = 1
+        if k == 1 or self._stored(keys[k - 1], probe):
+            probe.chunks = k
+            return k, len(keys)
+        return 1, k - 1
 
     def probe(self, pk: PromptKeys, probe: Probe, stop: threading.Event) -> None:
-        """Worker thread: from ``probe.chunks`` (what the index knew), the last stored chunk
-        (binary search) and the longest stored tail after it, in at most ``max_heads``
-        store lookups, stopping early when ``stop`` is set."""
+        """Worker thread: confirm what the index claims (``_confirm``), then the last
+        stored chunk (binary search) and the longest stored tail after it, in at most
+        ``max_heads`` store lookups, stopping early when ``stop`` is set."""
         try:
-            lo, hi = probe.chunks, len(pk.keys)  # stored: [0, lo); unknown: [lo, hi)
+            lo, hi = self._confirm(pk, probe, stop)  # stored: [0, lo); unknown: [lo, hi)
+            if lo == hi and lo < len(pk.keys):
+                return  # chunk ``lo`` is not stored: no tail after it either
             while lo < hi and probe.heads < self.max_heads and not stop.is_set():
                 mid = (lo + hi) // 2
                 if self._stored(pk.keys[mid], probe):
@@ -279,10 +316,35 @@ class PrefixReader:
         self.max_ids = max_ids  # longer prompts are not keyed ("too_long")
         self.lookup = lookup
         self.probe_timeout = probe_timeout
-        #: probes not made because every probe thread was busy (priced by the index)
+        #: probes not made because every probe thread was busy (priced as nothing held)
         self.skipped = 0
+        #: identity -> until when its held counts are checked chunk by chunk (``shortfall``)
+        self._distrust: OrderedDict[Identity, float] = OrderedDict()
 
-    async def held(self, identity: Identity, ids: Sequence[int]) -> Held | Unkeyed:
+    def shortfall(self, identity: Identity, priced: int, restored: int, now: float) -> bool:
+        """A decode-only turn priced ``priced`` tokens as held and the decode node restored
+        ``restored``: below ``TRUSTED_SHARE`` of it, ``identity``'s next lookups for
+        ``DISTRUST_S`` check each chunk (a hole the chain's ends did not show) and the
+        router's index is not believed. True if it fell short. Event loop thread."""
+        if priced <= 0 or restored >= TRUSTED_SHARE * priced:
+            return False
+        self._distrust[identity] = now + DISTRUST_S
+        self._distrust.move_to_end(identity)
+        while len(self._distrust) > MAX_NAMESPACES:
+            self._distrust.popitem(last=False)
+        return True
+
+    def distrusted(self, identity: Identity, now: float) -> bool:
+        until = self._distrust.get(identity)
+        if until is not None and now >= until:
+            del self._distrust[identity]
+            return False
+        return until is not None
+
+    async def held(self, identity: Identity, ids: Sequence[int],
+                   now: float = 0.0) -> Held | Unkeyed:
+        """What the tiers hold of ``ids`` under ``identity`` (``now``: the router's
+        monotonic clock, for ``distrusted``): only what a probe confirmed counts."""
         if self.lookup is None:
             return "no_tier"
         if len(ids) > self.max_ids:
@@ -296,8 +358,9 @@ class PrefixReader:
         else:
             pk = keys_under(got[0], got[1], ct, ids)
         lookup = self.lookup
-        probe = Probe(lookup.index_prefix(pk))
-        if lookup.needs_probe(pk, probe.chunks):
+        distrusted = self.distrusted(identity, now)
+        probe = Probe(0 if distrusted else lookup.index_prefix(pk), distrusted)
+        if lookup.needs_probe(pk, probe.indexed):
             stop = threading.Event()
             fut = lookup.executor.submit(lookup.probe, pk, probe, stop)
             if fut is None:  # every probe thread is busy (a tier that hangs): the index

@@ -179,8 +179,9 @@ class GuardedTier:
             return refused
 
     def stored(self, key: ChunkKey) -> bool:
-        """Is ``key`` stored in the tier (one lookup)?"""
-        return self._guarded(True, lambda: self.tier.contains_prefix([key]) == 1, False)
+        """Is ``key`` stored in the tier? One lookup of the store itself, never this
+        router's index of it (which learns of the engines' collection late)."""
+        return self._guarded(True, lambda: self.tier.present(key), False)
 
     def renew(self, key: ChunkKey) -> bool:
         return self._guarded(False, lambda: self.tier.renew(key), False)

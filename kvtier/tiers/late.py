@@ -175,6 +175,10 @@ class LateTier:
             return None
         return inner.read_meta(key)
 
+    def present(self, key: ChunkKey) -> bool:
+        inner = self._inner
+        return inner is not None and inner.present(key)
+
     def renew(self, key: ChunkKey) -> bool:
         inner = self._inner
         return inner is not None and inner.renew(key)

@@ -270,6 +270,10 @@ class ObjectTier:
         self.index.remember(key, st.size, st.used)
         return True
 
+    def present(self, key: ChunkKey) -> bool:
+        """``SharedTier.present``: one HEAD or stat, whatever the index says."""
+        return self._present(key)
+
     # -- Tier protocol -------------------------------------------------------------------
     def indexed(self, key: ChunkKey) -> bool:
         """In this node's index (memory only; may be stale, see ``contains_prefix``)."""

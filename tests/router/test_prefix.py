@@ -109,10 +109,10 @@ def test_a_probe_that_times_out_counts_what_it_confirmed(tier: FileTier) -> None
     gate, started = threading.Event(), threading.Event()
 
     class SlowTier(FileTier):
-        def contains_prefix(self, keys):  # type: ignore[no-untyped-def]
+        def present(self, key):  # type: ignore[no-untyped-def]
             started.set()
             gate.wait(5)
-            return super().contains_prefix(keys)
+            return super().present(key)
 
     slow = SlowTier(tier.root, 1 << 30)
 
@@ -151,3 +151,46 @@ def test_prompts_whose_keys_cannot_be_computed_say_why() -> None:
                             "tools": []}
     ids = parse_request("completions", b'{"prompt": [1, 2, 3]}', {})
     assert ids.prompt_ids == (1, 2, 3) and ids.tokenize is None
+
+
+def test_what_the_index_claims_is_confirmed_at_the_chains_ends(tier: FileTier,
+                                                               tmp_path: Path) -> None:
+    """The router's index learns of deletions late (its walk): a chain the engines
+    collected since must not be priced as held. Its first and last claimed chunks are
+    checked; a chain cut at its end is searched below; one whose head went holds nothing;
+    a hole in the middle (which the ends do not show) is found once the identity's
+    pricing fell short (``PrefixReader.shortfall``: chunk by chunk)."""
+    kv = KVStore(tier)
+    book = NamespaceBook(16)
+    book.learn((None, None), IDS, kv.save({}, IDS[:150]))  # 9 chunks and a tail
+    pk = prompt_keys(book, (None, None), IDS[:150] + [3] * 100)
+    assert pk is not None
+    reader = reader_tier(tmp_path)
+    try:
+        lookup = HeldLookup(guarded([reader], ManualClock()))
+
+        def held(indexed: int, distrusted: bool = False) -> Held:
+            probe = Probe(indexed, distrusted)
+            lookup.probe(pk, probe, threading.Event())
+            return lookup.held(pk, probe)
+
+        whole = held(9)
+        # the two ends, a binary search over the 6 chunks beyond, the tails 12, 8, 4
+        assert (whole.chunks, whole.tail_tokens) == (9, 4) and whole.heads == 2 + 2 + 3
+        for key in pk.keys[6:9]:  # an engine collected the chain's last chunks
+            tier.delete([key])
+        cut = held(9)
+        assert cut.chunks == 6 and cut.tail_tokens == 0  # the tail's chunk is gone too
+        tier.delete([pk.keys[3]])  # a hole: the ends still answer
+        # neither the ends nor a binary search (chains are monotone, but for holes) see it
+        assert held(9).chunks == 6
+        reader_book = PrefixReader(16, lookup, probe_timeout=1.0)
+        assert reader_book.shortfall((None, None), priced=9 * 16, restored=3 * 16, now=0.0)
+        assert not reader_book.shortfall((None, None), priced=100, restored=96, now=0.0)
+        assert reader_book.distrusted((None, None), 59.0)
+        assert not reader_book.distrusted((None, None), 61.0)
+        assert held(9, distrusted=True).chunks == 3  # each chunk checked: the hole shows
+        tier.delete([pk.keys[0]])
+        assert held(9).chunks == 0 and held(9).heads == 1  # no head: nothing restores
+    finally:
+        reader.close()

@@ -401,3 +401,31 @@ def test_a_decode_only_turn_leaves_the_queue_at_its_first_byte(tmp_path: Path) -
             decode.release.set()
             assert (await task)[0] == 200
     run(scenario)
+
+
+def test_a_chain_the_engines_collected_is_not_priced_as_held(tmp_path: Path) -> None:
+    """The router's index still names a conversation's chunks after an engine's collector
+    removed them (it learns of deletions only through its walk): the next follow-up must
+    take the prefill hop, not go decode-only to a node that would recompute everything."""
+    async def scenario() -> None:
+        async with tiered_harness(tmp_path) as h:
+            history = [{"role": "user", "content": "a long first question " * 40}]
+            assert (await chat(h, history))[0] == "prefill_decode"
+            history += [{"role": "assistant", "content": "an answer"},
+                        {"role": "user", "content": "and a short follow-up?"}]
+            assert (await chat(h, history))[0] == "decode_only"  # held, and indexed now
+            # the fake decode node restores 7 tokens whatever was priced: a shortfall
+            assert "kvtier_router_pricing_shortfalls_total 1.0" in await metrics_text(h)
+            router = h.client.app[ROUTER_KEY]
+            assert router.tiers is not None
+            (tier,) = router.tiers.tiers
+            kv = h.prefill.kv
+            assert kv is not None
+            keys = [info.key for info in kv.tier.scan()]
+            indexed = [k for k in keys if tier.indexed(k)]
+            assert indexed  # what the last turn was priced by
+            assert kv.tier.delete(keys) == len(keys)  # another node's collector
+            assert all(tier.indexed(k) for k in indexed)  # the router's index did not see it
+            # the same turn again (a client's retry): priced by the same, collected chunks
+            assert (await chat(h, history))[0] == "prefill_decode"
+    run(scenario)

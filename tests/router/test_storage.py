@@ -62,11 +62,11 @@ class _HangingTier(FileTier):
         self.gate, self.entered = threading.Event(), threading.Event()
         self.calls = 0
 
-    def contains_prefix(self, keys: Any) -> int:
+    def present(self, key: ChunkKey) -> bool:
         self.calls += 1
         self.entered.set()
         self.gate.wait(20)
-        return 0
+        return False
 
 
 def test_a_tier_with_a_call_overdue_is_not_asked_again(tmp_path: Path) -> None:
@@ -287,7 +287,7 @@ def test_a_router_whose_s3_endpoint_is_down_starts_and_keeps_trying(
 
 def test_a_guarded_tier_that_raises_answers_not_stored(tmp_path: Path) -> None:
     class Broken(FileTier):
-        def contains_prefix(self, keys: Any) -> int:
+        def present(self, key: ChunkKey) -> bool:
             raise OSError("EIO")
 
     tier = Broken(tmp_path / "b", 1 << 30)

@@ -180,3 +180,16 @@ def test_payload_bigger_than_the_buffer_is_a_miss_not_an_error(harness: TierHarn
     _put(tier, 1)
     assert _get(tier, make_key(1), PAYLOAD - 1) is None
     assert tier.metrics.counts.misses == 1  # type: ignore[attr-defined]
+
+
+def test_a_shared_tier_says_whether_the_store_holds_a_key(harness: TierHarness) -> None:
+    """``SharedTier.present`` asks the store (the router confirms its index with it)."""
+    tier = harness.make(10 * harness.object_bytes())
+    present = getattr(tier, "present", None)
+    if present is None:
+        pytest.skip(f"the {harness.kind} tier is not shared")
+    assert _put(tier, 1) is PutStatus.STORED
+    assert present(make_key(1)) is True
+    assert present(make_key(2)) is False
+    assert tier.delete([make_key(1)]) == 1
+    assert present(make_key(1)) is False
