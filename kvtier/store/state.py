@@ -109,6 +109,9 @@ class StoreState:
         #: (``Writes._queue_write``), and how many each pool may have
         self._through_holds: dict[int, int] = {}
         self._through_cap = max(1, host.pool.num_slots // 2)
+        #: pool -> token -> when a held job was queued, until it starts (``_may_hold``)
+        self._through_waiting: dict[int, dict[int, float]] = {}
+        self._through_token = 0
         for lt in self.lower:
             if hasattr(lt.tier, "collect_on_put"):
                 setattr(lt.tier, "collect_on_put", False)  # noqa: B010 - _collect_later

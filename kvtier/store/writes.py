@@ -28,6 +28,12 @@ from kvtier.tiers.base import Tier
 
 #: Re-offered keys remembered (``rewrite_through(min_age_s=...)``).
 OFFERED_MAX = 65536
+#: A write-through pool whose held jobs have waited this long (plus one chunk at 20 MiB/s,
+#: the breakers' default slowest healthy rate) to start is not taking them (a hung tier
+#: behind its threads, not yet overdue): new jobs past ``_through_cap`` then take their
+#: hold when they start (``Writes._may_hold``). Healthy small jobs start in milliseconds.
+THROUGH_PATIENCE_S = 0.2
+THROUGH_MIN_BYTES_PER_S = 20 * 2**20
 
 
 class Writes(WriteBack):
@@ -133,21 +139,51 @@ class Writes(WriteBack):
                   for t in self._through]
         return len(held) if all(f is not None for f in queued) else 0
 
-    def _through_held(self, pool: IOPool) -> int:
+    def _may_hold(self, pool: IOPool) -> bool:
+        """May a new write-through job of ``pool`` hold its slot from the commit? Yes
+        while its held jobs are under ``_through_cap``, or while none of its held jobs has
+        waited to start for ``THROUGH_PATIENCE_S``: a pool that is taking its jobs is not
+        hung, and its jobs must keep their chunks (a save streamed through a small pool
+        reuses each slot as soon as its copy is written)."""
+        now = self.host.clock.monotonic()
         with self._lock:
-            return self._through_holds.get(id(pool), 0)
+            if self._through_holds.get(id(pool), 0) < self._through_cap:
+                return True
+            waiting = self._through_waiting.get(id(pool))
+            patience = THROUGH_PATIENCE_S + self.host.slot_bytes / THROUGH_MIN_BYTES_PER_S
+            return not waiting or now - min(waiting.values()) < patience
 
-    def _through_done(self, pool: IOPool) -> None:
+    def _through_queued(self, pool: IOPool) -> int:
+        """Count a held job queued on ``pool``; its token for ``_through_started``."""
+        now = self.host.clock.monotonic()
+        with self._lock:
+            self._through_holds[id(pool)] = self._through_holds.get(id(pool), 0) + 1
+            self._through_token += 1
+            self._through_waiting.setdefault(id(pool), {})[self._through_token] = now
+            return self._through_token
+
+    def _through_started(self, pool: IOPool, token: int) -> None:
+        with self._lock:
+            waiting = self._through_waiting.get(id(pool))
+            if waiting is not None:
+                waiting.pop(token, None)
+
+    def _through_done(self, pool: IOPool, token: int) -> None:
         with self._lock:
             self._through_holds[id(pool)] -= 1
+            waiting = self._through_waiting.get(id(pool))
+            if waiting is not None:
+                waiting.pop(token, None)
 
     def _write_through_job(self, slot: int, meta: ChunkMeta, tiers: list[Tier], kind: str,
-                           pool: IOPool, held: bool) -> bool:
+                           pool: IOPool, held: int | None) -> bool:
         """One pool's part of a write-through (an IO thread): write the chunk to
         ``tiers``, holding its slot; ``held``: the hold was taken when the job was
-        queued (``_queue_write`` counted it against the pool's share), else it is taken
+        queued (the token ``_queue_write`` counted it under), else (None) it is taken
         now, and a chunk evicted meanwhile is a copy given up (counted)."""
-        if not held:
+        if held is not None:
+            self._through_started(pool, held)
+        else:
             got = self.host.index.hold(meta.key)
             if got is None:
                 self._count_drop("gave_up_copy")
@@ -156,8 +192,8 @@ class Writes(WriteBack):
         try:
             return self._write_slot(slot, meta, tiers, kind)
         finally:
-            if held:
-                self._through_done(pool)
+            if held is not None:
+                self._through_done(pool, held)
             self.host.release(slot)
 
     def _mark_offered(self, keys: Sequence[ChunkKey]) -> None:
@@ -180,11 +216,12 @@ class Writes(WriteBack):
         A tier whose breaker refuses calls is not queued (a drop, ``tier_down``). A job
         holds the slot from now until it is done, so the chunk is written before it can
         be evicted, only while its pool's tiers answer (no call overdue by the breaker's
-        ``stuck_s``) and its pool's held jobs are fewer than ``_through_cap`` (half the
-        host pool); otherwise it takes its hold when it starts (``_write_through_job``).
-        So a hung write-through tier pins at most that share of the host pool, for at
-        most ``stuck_s``, instead of one slot per queued job (up to
-        ``max_queued_stores``) until it recovers (review N3).
+        ``stuck_s``) and its pool is taking its jobs (``_may_hold``: fewer held jobs
+        than ``_through_cap``, half the host pool, or none waiting to start for
+        ``THROUGH_PATIENCE_S``); otherwise it takes its hold when it starts
+        (``_write_through_job``). So a hung write-through tier pins about that share of
+        the host pool, instead of one slot per queued job (up to ``max_queued_stores``)
+        until it recovers (review N3), and a healthy one keeps every chunk it writes.
 
         ``None`` if the chunk was evicted first or no job could be queued (counted; the
         chunk is as it was: a full queue is not a failed write)."""
@@ -210,16 +247,15 @@ class Writes(WriteBack):
                 # while its tier answers and its pool's held jobs are within their share
                 # of the host pool; else it takes its hold when it starts and gives the
                 # copy up if the chunk was evicted meanwhile (a hung tier pins no slot).
-                held = id(pool) not in stalled and self._through_held(pool) < self._through_cap
-                if held:  # our own hold keeps the key in ``slot``: this one succeeds
-                    self.host.index.hold(meta.key)
-                    with self._lock:
-                        self._through_holds[id(pool)] = self._through_holds.get(id(pool), 0) + 1
+                held: int | None = None
+                if id(pool) not in stalled and self._may_hold(pool):
+                    self.host.index.hold(meta.key)  # our own hold keeps the key in ``slot``
+                    held = self._through_queued(pool)
                 fut = self._submit(partial(self._write_through_job, slot, meta, group, kind,
                                            pool, held), kind, pool)
                 if fut is None:
-                    if held:
-                        self._through_done(pool)
+                    if held is not None:
+                        self._through_done(pool, held)
                         self.host.release(slot)
                 else:
                     parts.append(fut)
