@@ -249,6 +249,26 @@ class EventsConfig(_Model):
     max_payload_chunks: int = Field(16_384, ge=1)
 
 
+class TenancyConfig(_Model):
+    """Tenants' salts (``kvtier.tenancy``), for engines behind ``kvtier router --tenants``."""
+
+    #: Touch no KV of a request whose ``cache_salt`` the router did not issue under one of
+    #: the tenant secrets: a client that reaches this engine directly, with a salt it
+    #: computed or edited, restores nothing and stores nothing. Needs the router's secret.
+    require_router_salt: bool = False
+    #: The tenant secrets, one a line (as the router's ``--tenant-secret-file``; during a
+    #: rotation list the new one and the old one); else ``KVTIER_TENANT_SECRET``.
+    secret_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _has_secret(self) -> TenancyConfig:
+        if self.require_router_salt and self.secret_file is None \
+                and not os.environ.get("KVTIER_TENANT_SECRET"):
+            raise ValueError("require_router_salt needs the router's tenant secret: set "
+                             "tenancy.secret_file or KVTIER_TENANT_SECRET")
+        return self
+
+
 class KVTierConfig(_Model):
     chunk_tokens: int = Field(256, ge=16, le=65536)
     copy_backend: Literal["auto", "native", "torch"] = "auto"
@@ -258,6 +278,7 @@ class KVTierConfig(_Model):
     restore: RestoreConfig = RestoreConfig()
     retention: RetentionConfig = RetentionConfig()
     events: EventsConfig = EventsConfig()
+    tenancy: TenancyConfig = TenancyConfig()
     #: On a clean shutdown, seconds spent writing dirty host chunks to the write-back
     #: tiers (most recently used first) before the engine exits. 0 disables the flush.
     shutdown_flush_seconds: float = Field(20.0, ge=0, le=3600)

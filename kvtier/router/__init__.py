@@ -71,6 +71,8 @@ class RouterSettings:
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY  # requests served at once; more get 503
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tenants: Path | None = None  # API key -> tenant file; the api_key then goes to backends
+    #: the secret tenants' salts are keyed by (``kvtier.tenancy``); else KVTIER_TENANT_SECRET
+    tenant_secret_file: Path | None = None
     dp_reuse: bool = True  # False: prefill never restores (the "D->P off" baseline)
     collect: bool = True  # with tiers: each heartbeat removes objects past their lease
     pd_mode: PDMode = "auto"  # always: every turn P/D; never: every turn decode-only
@@ -197,6 +199,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-conversations", type=int, default=DEFAULT_MAX_CONVERSATIONS,
                    metavar="N", help="conversations tracked at once; the least recently "
                    f"used one is dropped past it (default {DEFAULT_MAX_CONVERSATIONS})")
+    p.add_argument("--tenant-secret-file", type=Path, default=None, metavar="PATH",
+                   help="with --tenants: the secret tenants' cache salts are keyed by, one "
+                   "a line (the first issues; the rest are for a rotation's overlap on "
+                   "engines); else KVTIER_TENANT_SECRET; else a random one per start")
     p.add_argument("--max-conversations-per-tenant", type=int, default=None, metavar="N",
                    help="with --tenants: conversations one tenant may have tracked; past "
                    "it the tenant's own least recently used one is dropped (default a "
@@ -232,6 +238,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_concurrency=args.max_concurrency,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         tenants=args.tenants,
+        tenant_secret_file=args.tenant_secret_file,
         dp_reuse=args.dp_reuse,
         collect=args.collect,
         pd_mode=args.pd_mode,

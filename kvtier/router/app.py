@@ -97,7 +97,7 @@ from kvtier.router.protocol import (
     read_body,
 )
 from kvtier.router.storage import BoundedExecutor, RouterTiers
-from kvtier.router.tenants import TenantRegistry, salt_of
+from kvtier.router.tenants import TenantRegistry, TenantSalts
 from kvtier.router.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class Router:
         tenants = None if s.tenants is None else TenantRegistry(
             s.tenants, clock, loaded=lambda result: self.metrics.tenant_reloads.labels(
                 result).inc())
+        #: tenants' salts, keyed by the router's secret (None without tenants)
+        self.salts = TenantSalts(s.tenant_secret_file) if tenants is not None else None
         keyed = s.api_key is not None or tenants is not None
         self.auth = Authenticator(s.api_key, tenants) if keyed else None
         self.tenants = tenants
@@ -334,6 +336,12 @@ class Router:
         finally:
             self._finish(turn)  # also when the client went away (status 0: aborted)
 
+    def _salt(self, tenant: str | None) -> str | None:
+        """The salt the router sets for ``tenant``'s requests (None: the client's own)."""
+        if tenant is None or self.salts is None:
+            return None
+        return self.salts.salt_of(tenant)
+
     def _conversation_key(self, tenant: str | None, cid: str | None) -> str | None:
         """The map key of a conversation: per tenant (ids are printable, so NUL cannot be
         part of one)."""
@@ -348,7 +356,7 @@ class Router:
             turn.tenant = tenant
             raw = await read_body(request, self.settings.body_timeout)
             parse = functools.partial(parse_request, endpoint, raw, request.headers,
-                                      salt=None if tenant is None else salt_of(tenant),
+                                      salt=self._salt(tenant),
                                       max_prompt_tokens=self.settings.max_prompt_tokens)
             # a large body is parsed (and its ids checked) off the event loop's thread
             req = await asyncio.to_thread(parse) if len(raw) > OFF_LOOP_BYTES else parse()

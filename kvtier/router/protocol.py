@@ -39,6 +39,7 @@ from aiohttp import web
 
 from kvtier.router import DEFAULT_MAX_PROMPT_TOKENS
 from kvtier.router.prefix import Identity, Unkeyed, identity_of
+from kvtier.tenancy import PREFIX, looks_issued
 
 Endpoint = Literal["completions", "chat"]
 
@@ -226,6 +227,9 @@ def parse_request(endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], *,
         cid = _check_conversation_id(header_id, f"header {CONVERSATION_HEADER}")
     if salt is not None:
         body["cache_salt"] = salt
+    elif isinstance(body.get("cache_salt"), str) and looks_issued(body["cache_salt"]):
+        raise _bad(f"'cache_salt' may not start with {PREFIX!r}: that prefix is for the "
+                   "salts the router issues to tenants; choose another salt")
     own = {k: body.pop(k) for k in PHASE_FIELDS if k in body}
     size, exact = prompt_size(endpoint, body)
     ids = tuple(body["prompt"]) if exact is not None else None

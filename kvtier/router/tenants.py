@@ -21,8 +21,10 @@ Invariants:
   *digest* a token's digest shares tells nothing about the key itself (finding a token
   for a digest is a preimage search), so it tells nothing about which key, or how much
   of one, a token matched; the key's length is never compared.
-* A tenant's salt is a hash of its name: the same on every router process and restart
-  (stored KV stays reachable), different for every tenant, and never the client's.
+* A tenant's salt is a keyed MAC of its name under the router's secret
+  (``TenantSalts``, ``kvtier.tenancy``): the same on every router process and restart
+  that holds the secret (stored KV stays reachable), different for every tenant, never
+  the client's, and not computable from the name without the secret.
 * ``TenantRegistry`` holds the current map. A reload (SIGHUP, or the file's size, mtime or
   inode changed, looked at most every ``check_interval`` seconds of the injected clock)
   replaces it whole; a file that fails to load leaves the previous map in place and is
@@ -61,9 +63,37 @@ class TenantsError(ValueError):
     """A tenants file that cannot be used; the message names the file and what is wrong."""
 
 
-def salt_of(tenant: str) -> str:
-    """The ``cache_salt`` of ``tenant`` (see the module invariants)."""
-    return "kvtier-tenant-" + hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()
+class TenantSalts:
+    """Each tenant's ``cache_salt``, issued under the router's secret
+    (``kvtier.tenancy``): the same on every router holding the secret and across
+    restarts, different for every tenant, never derivable from a name without it.
+    Without a secret one is made at random (logged once): salts then change at every
+    restart. Event loop thread only (a small cache)."""
+
+    MAX_CACHED = 65536
+
+    def __init__(self, secret_file: Path | None) -> None:
+        from kvtier.tenancy import ENV, load_secrets, random_secret
+
+        found = load_secrets(secret_file)
+        if found:
+            self.secret = found[0]
+        else:
+            self.secret = random_secret()
+            log.warning("router: no tenant secret (--tenant-secret-file or %s); made a "
+                        "random one, so tenants' salts, and the KV stored under them, "
+                        "change at every restart and differ between routers", ENV)
+        self._cache: dict[str, str] = {}
+
+    def salt_of(self, tenant: str) -> str:
+        got = self._cache.get(tenant)
+        if got is None:
+            from kvtier.tenancy import issue
+
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()
+            got = self._cache[tenant] = issue(self.secret, tenant)
+        return got
 
 
 def key_digest(token: str) -> bytes:

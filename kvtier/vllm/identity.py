@@ -366,9 +366,14 @@ class RequestIdentities:
     def __init__(
         self, namespace: Namespace, chunk_tokens: int,
         adapters: AdapterFingerprints | None = None,
+        salt_check: Callable[[object], bool] | None = None,
     ) -> None:
         self.ns = namespace
         self.ct = chunk_tokens
+        #: ``tenancy.require_router_salt``: a request whose ``cache_salt`` the router did
+        #: not issue (``kvtier.tenancy.SaltCheck``) is ``Unsupported``: no KV of it is read
+        #: or stored, so a client reaching the engine directly gets no tenant's KV
+        self.salt_check = salt_check
         self.adapters = adapters or AdapterFingerprints()
         self.epoch = 0
         self._digests: OrderedDict[tuple[str | None, str | None], bytes] = OrderedDict()
@@ -396,6 +401,11 @@ class RequestIdentities:
         Raises ``Unsupported`` (logged once per cause) if it cannot be established.
         """
         try:
+            if self.salt_check is not None and not self.salt_check(
+                    getattr(request, "cache_salt", None)):
+                raise Unsupported(
+                    "a request without a router-issued cache_salt (tenancy."
+                    "require_router_salt): its KV is neither read nor stored")
             adapter = self._adapter(request)
             if adapter is PENDING:
                 return PENDING

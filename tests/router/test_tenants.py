@@ -4,6 +4,7 @@ prefix-hit information only on request, and reloads (file change, SIGHUP, bad fi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import os
@@ -16,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.router.app import ROUTER_KEY
-from kvtier.router.tenants import TenantsError, load_tenants, parse_tenants, salt_of, tenants_of
+from kvtier.router.tenants import TenantsError, load_tenants, parse_tenants, tenants_of
+from kvtier.tenancy import ENV, SaltCheck, SecretError, issue, load_secrets, looks_issued
 from tests.router.fakes import Harness, harness, post, run
 
 pytestmark = pytest.mark.timeout(30)
@@ -144,9 +146,37 @@ def test_the_single_api_key_is_compared_by_digest_never_as_raw_text(
         assert calls == [(32, 32)]
 
 
-def test_salts_are_stable_and_distinct() -> None:
-    assert salt_of("acme") == salt_of("acme") != salt_of("globex")
-    assert "acme" not in salt_of("acme")
+SECRET = b"s" * 40
+
+
+def test_salts_are_keyed_stable_and_distinct() -> None:
+    """A tenant's salt needs the router's secret: not its name's hash (anyone could
+    compute that and reach the tenant's KV on a backend directly, issue 47)."""
+    acme = issue(SECRET, "acme")
+    assert acme == issue(SECRET, "acme") != issue(SECRET, "globex")
+    assert "acme" not in acme and looks_issued(acme)
+    assert issue(b"t" * 40, "acme") != acme  # another secret, another salt
+    unkeyed = "kvtier-tenant-" + hashlib.blake2b(b"acme", digest_size=16).hexdigest()
+    check = SaltCheck([SECRET])
+    assert check(acme) and not check(unkeyed) and not check(issue(b"t" * 40, "acme"))
+    assert SaltCheck([b"t" * 40, SECRET])(acme)  # a rotation's overlap
+    forged = acme[:-1] + ("0" if acme[-1] != "0" else "1")
+    assert not check(forged) and not check(None) and not check("mine")
+
+
+def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_text("# rotation: new first\n" + "n" * 32 + "\n\n" + "o" * 32 + "\n")
+    assert load_secrets(f) == [b"n" * 32, b"o" * 32]
+    assert load_secrets(None, {ENV: "a" * 32 + ";" + "b" * 32}) == [b"a" * 32, b"b" * 32]
+    assert load_secrets(None, {}) == []
+    f.write_text("short\n")
+    with pytest.raises(SecretError, match="at least 32"):
+        load_secrets(f)
+    with pytest.raises(SecretError, match="cannot be read"):
+        load_secrets(tmp_path / "missing")
+    with pytest.raises(SecretError, match="needs a tenant secret"):
+        SaltCheck([])
 
 
 # -- the router ------------------------------------------------------------------------------
@@ -155,6 +185,9 @@ def test_salts_are_stable_and_distinct() -> None:
 def test_each_tenant_gets_its_own_salt_whatever_the_client_sent(tenants_file: Path) -> None:
     async def scenario() -> None:
         async with harness(tenants=tenants_file, api_key="backend-key") as h:
+            salts_of = h.client.app[ROUTER_KEY].salts
+            assert salts_of is not None
+            salt_of = salts_of.salt_of
             for key, client_salt in ((ACME, None), (ACME2, "mine"), (GLOBEX, salt_of("acme")),
                                      (GLOBEX, None)):
                 body: dict[str, object] = {"prompt": "the same prompt"}
@@ -281,3 +314,28 @@ def test_a_bad_file_at_start_is_refused(tmp_path: Path) -> None:
             pass
     with pytest.raises(TenantsError, match=r"t\.yaml: keys entry 1 \(tenant 'a'\)"):
         run(scenario)
+
+
+def test_routers_holding_one_secret_issue_the_same_salts(tenants_file: Path,
+                                                         tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("k" * 48 + "\n")
+
+    async def scenario() -> None:
+        seen = []
+        for _ in range(2):  # a restart, or a second router
+            async with harness(tenants=tenants_file, tenant_secret_file=secret) as h:
+                assert (await post(h, {"prompt": "p"}, **bearer(ACME)))[0] == 200
+                seen.append(h.prefill.bodies[-1]["cache_salt"])
+        assert seen[0] == seen[1] == issue(b"k" * 48, "acme")
+    run(scenario)
+
+
+def test_a_client_salt_imitating_the_routers_is_refused() -> None:
+    async def scenario() -> None:
+        async with harness() as h:
+            status, doc, _ = await post(h, {"prompt": "p",
+                                            "cache_salt": issue(SECRET, "acme")})
+            assert status == 400 and "kvtier-tenant-" in doc["error"]["message"]
+            assert not h.prefill.bodies
+    run(scenario)

@@ -473,3 +473,40 @@ def test_mm_and_prompt_embeds_parts_cannot_stand_in_for_each_other(
     got = {both.chunk_extra(0), only_mm.chunk_extra(0), only_e.chunk_extra(0)}
     assert len(got) == 3
     assert both.chunk_extra(1) == b"", "a chunk no input overlaps keys like text"
+
+
+def test_an_engine_requiring_router_salts_touches_no_kv_of_a_request_without_one(
+        tmp_path: Path) -> None:
+    """``tenancy.require_router_salt`` (issue 47): a request whose salt the router did not
+    issue under the shared secret (none, the client's own, an unkeyed hash of a tenant's
+    name, one edited) neither restores nor stores; one the router issued does both."""
+    from kvtier.tenancy import issue
+
+    secret = tmp_path / "secret"
+    secret.write_text("r" * 40 + "\n")
+    cfg = KVTierConfig.model_validate({
+        "chunk_tokens": CT, "tiers": [{"host": {"capacity": "4MiB", "pinned": "no"}}],
+        "restore": {"recompute_threshold_tokens": 1},
+        "tenancy": {"require_router_salt": True, "secret_file": str(secret)}})
+    geom = Geometry(2, 2, 64, CT, 4096, "float32")
+    s = SchedulerSide(cfg, geom, NS, None, store=build_store(cfg, geom.chunk_bytes(CT)))
+    good = issue(b"r" * 40, "acme")
+    try:
+        import hashlib
+
+        unkeyed = "kvtier-tenant-" + hashlib.blake2b(b"acme", digest_size=16).hexdigest()
+        for i, salt in enumerate((None, "mine", unkeyed, good[:-1] + "f0"[good[-1] == "f"])):
+            req = _req(f"bad{i}", cache_salt=salt, num_computed_tokens=len(TOKENS))
+            assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+            _delay, params = s.request_finished(req, list(range(4)))
+            assert params["kvtier"]["tokens"] == 0, salt
+        assert not list(s.store.host.index.entries())
+        req = _req("good", cache_salt=good, num_computed_tokens=len(TOKENS))
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored yet
+        _delay, params = s.request_finished(req, list(range(4)))
+        assert params["kvtier"]["tokens"] > 0
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="needs the router's tenant secret"):
+        KVTierConfig.model_validate({"tiers": [{"host": {"capacity": "8MiB"}}],
+                                     "tenancy": {"require_router_salt": True}})

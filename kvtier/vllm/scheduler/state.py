@@ -164,7 +164,8 @@ class SchedulerState:
         #: req -> the weights epoch it was first seen in: KV computed across a weights
         #: reset is stored under neither epoch
         self._epoch_of: dict[str, int] = {}
-        self.identities = RequestIdentities(namespace, self.ct)
+        self.identities = RequestIdentities(namespace, self.ct,
+                                            salt_check=_salt_check(cfg))
         self._step = 0
         self.role = role
         self.clock = clock  # the decode wait deadline; latencies use perf_counter
@@ -257,3 +258,12 @@ class SchedulerState:
         for streamed restores."""
         return (sum(lk.chunks for lk in self._lookups.values())
                 + sum(st.in_flight() for st in self._streams.values()))
+
+
+def _salt_check(cfg: KVTierConfig) -> Callable[[object], bool] | None:
+    """``tenancy.require_router_salt``'s check, with the secrets it names."""
+    if not cfg.tenancy.require_router_salt:
+        return None
+    from kvtier.tenancy import SaltCheck, load_secrets
+
+    return SaltCheck(load_secrets(cfg.tenancy.secret_file))
