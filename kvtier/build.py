@@ -13,6 +13,7 @@ from functools import partial
 
 from kvtier.clock import SYSTEM_CLOCK, Clock
 from kvtier.config import FileConfig, HostConfig, KVTierConfig, S3Config
+from kvtier.crypt import ChunkCipher
 from kvtier.health import breakers_for
 from kvtier.iopool import IOPool
 from kvtier.store import LowerTier, TieredStore, WritePolicy
@@ -80,6 +81,25 @@ def build_lower(spec: FileConfig | S3Config, index: int, clock: Clock) -> Shared
     return tier
 
 
+def cipher_of(cfg: KVTierConfig) -> ChunkCipher | None:
+    """``encryption``'s cipher, or None when it is off. Raises ``crypt.KeyError_``."""
+    if not cfg.encryption.enabled:
+        return None
+    from kvtier.crypt import load_master_keys
+
+    return ChunkCipher(load_master_keys(cfg.encryption.key_file))
+
+
+def _sealed(opener: Callable[[FileConfig | S3Config, int, Clock], SharedTier],
+            cipher: ChunkCipher | None, spec: FileConfig | S3Config, index: int,
+            clock: Clock) -> SharedTier:
+    """``opener``'s tier, sealing with ``cipher`` (set before any call reaches it)."""
+    tier = opener(spec, index, clock)
+    if cipher is not None:
+        setattr(tier, "cipher", cipher)  # noqa: B010 - every ObjectTier has it
+    return tier
+
+
 def build_lower_tiers(
     cfg: KVTierConfig, clock: Clock = SYSTEM_CLOCK, *, only: int | None = None
 ) -> list[LowerTier]:
@@ -88,13 +108,15 @@ def build_lower_tiers(
     If one cannot be set up, those already built are closed before the error propagates.
     """
     lower: list[LowerTier] = []
+    cipher = cipher_of(cfg)
     try:
         for i, entry in enumerate(cfg.tiers[1:], start=1):
             if only is not None and i != only:
                 continue
             spec = entry.spec
             assert isinstance(spec, FileConfig | S3Config)
-            lower.append(LowerTier(build_lower(spec, i, clock), WritePolicy(spec.write)))
+            lower.append(LowerTier(_sealed(build_lower, cipher, spec, i, clock),
+                                   WritePolicy(spec.write)))
     except BaseException:
         for lt in lower:
             lt.tier.close()
@@ -128,7 +150,7 @@ def open_lower_tiers(
     it answers. A tier whose opening *fails* within the bound (a wrong path, missing
     permissions) fails the start, as before, naming the config field; those built are
     closed first. ``open_tier`` replaces ``build_lower`` (tests inject a hanging one)."""
-    opener = open_tier or build_lower
+    opener = partial(_sealed, open_tier or build_lower, cipher_of(cfg))
     specs: list[tuple[int, FileConfig | S3Config, str]] = []
     for i, entry in enumerate(cfg.tiers[1:], start=1):
         spec = entry.spec

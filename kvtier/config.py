@@ -269,6 +269,25 @@ class TenancyConfig(_Model):
         return self
 
 
+class EncryptionConfig(_Model):
+    """KV encrypted at rest in the lower tiers (``kvtier.crypt``): AES-256-GCM, a data key
+    per namespace (so per tenant salt) derived from a master key kept outside the tier.
+    Every node sharing a tier needs the same setting and keys."""
+
+    enabled: bool = False
+    #: Master keys, 64 hex characters each, one a line: the first seals, all open (a
+    #: rotation). Else ``KVTIER_ENCRYPTION_KEY`` (``;``-separated).
+    key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _has_key(self) -> EncryptionConfig:
+        if self.enabled and self.key_file is None \
+                and not os.environ.get("KVTIER_ENCRYPTION_KEY"):
+            raise ValueError("encryption needs a master key: set encryption.key_file or "
+                             "KVTIER_ENCRYPTION_KEY (`openssl rand -hex 32`)")
+        return self
+
+
 class KVTierConfig(_Model):
     chunk_tokens: int = Field(256, ge=16, le=65536)
     copy_backend: Literal["auto", "native", "torch"] = "auto"
@@ -279,6 +298,7 @@ class KVTierConfig(_Model):
     retention: RetentionConfig = RetentionConfig()
     events: EventsConfig = EventsConfig()
     tenancy: TenancyConfig = TenancyConfig()
+    encryption: EncryptionConfig = EncryptionConfig()
     #: On a clean shutdown, seconds spent writing dirty host chunks to the write-back
     #: tiers (most recently used first) before the engine exits. 0 disables the flush.
     shutdown_flush_seconds: float = Field(20.0, ge=0, le=3600)

@@ -5,7 +5,8 @@ Layout of one object (file or S3 object)::
     offset 0     MAGIC (6 bytes) | version (u16 LE) | header_len (u32 LE)
     offset 12    msgpack header (header_len bytes): see ``ChunkMeta``
     ...          zero padding up to ``HEADER_SPAN`` (4 KiB)
-    HEADER_SPAN  payload (``payload_len`` bytes, raw KV in kvtier's chunk layout)
+    HEADER_SPAN  payload (``payload_len`` bytes, raw KV in kvtier's chunk layout, or its
+                 AES-256-GCM ciphertext in a sealed object: version 2, field ``enc``)
 
 Invariants:
 
@@ -37,6 +38,13 @@ from kvtier.keys import KEY_BYTES, ChunkKey
 
 MAGIC = b"KVTIER"
 OBJECT_VERSION = 1
+#: An object whose payload is sealed (``kvtier.crypt``): a reader that does not know the
+#: seal must not take its ciphertext for KV, so it is another version.
+SEALED_VERSION = 2
+ALG = "aes-256-gcm"
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KID_BYTES = 8
 _PREFIX = struct.Struct("<6sHI")
 HEADER_SPAN = 4096
 MAX_HEADER = HEADER_SPAN - _PREFIX.size
@@ -71,6 +79,30 @@ def _count(value: Any, name: str, limit: int = MAX_PAYLOAD) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
         raise CorruptObject(f"header field {name!r} is not a count in range: {value!r:.40}")
     return value
+
+
+@dataclass(frozen=True)
+class Seal:
+    """What a sealed object's header records of its payload (``kvtier.crypt``): the id
+    of the master key, the nonce and the GCM tag."""
+
+    kid: bytes
+    nonce: bytes
+    tag: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"alg": ALG, "kid": self.kid, "nonce": self.nonce, "tag": self.tag}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Seal:
+        if type(d) is not dict or d.get("alg") != ALG:
+            raise CorruptObject("header field 'enc' is not an aes-256-gcm seal")
+        kid, nonce, tag = d.get("kid"), d.get("nonce"), d.get("tag")
+        if not (isinstance(kid, bytes) and len(kid) == KID_BYTES
+                and isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES
+                and isinstance(tag, bytes) and len(tag) == TAG_BYTES):
+            raise CorruptObject("header field 'enc' has fields of the wrong type or size")
+        return cls(kid, nonce, tag)
 
 
 @dataclass(frozen=True)
@@ -163,16 +195,21 @@ class ChunkSpec:
         return "chunk is not what this reader expects: " + ", ".join(wrong) if wrong else None
 
 
-def encode_header(meta: ChunkMeta, payload: Any) -> bytes:
-    """The first ``HEADER_SPAN`` bytes of the object holding ``payload`` under ``meta``."""
+def encode_header(meta: ChunkMeta, payload: Any, seal: Seal | None = None) -> bytes:
+    """The first ``HEADER_SPAN`` bytes of the object holding ``payload`` under ``meta``
+    (with ``seal``: ``payload`` is its ciphertext, the object ``SEALED_VERSION``)."""
     if memoryview(payload).nbytes != meta.payload_len:
         raise ValueError(
             f"payload is {memoryview(payload).nbytes} bytes, meta says {meta.payload_len}"
         )
-    body: bytes = msgpack.packb(meta.to_wire(checksum(payload)), use_bin_type=True)
+    wire = meta.to_wire(checksum(payload))
+    if seal is not None:
+        wire["enc"] = seal.to_wire()
+    body: bytes = msgpack.packb(wire, use_bin_type=True)
     if len(body) > MAX_HEADER:
         raise ValueError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
-    head = _PREFIX.pack(MAGIC, OBJECT_VERSION, len(body)) + body
+    version = OBJECT_VERSION if seal is None else SEALED_VERSION
+    head = _PREFIX.pack(MAGIC, version, len(body)) + body
     return head + bytes(HEADER_SPAN - len(head))
 
 
@@ -190,8 +227,24 @@ def decode_header(
     ``max_payload`` is the reader's buffer size: a larger payload is corrupt, not an
     error of the reader. Raises ``CorruptObject`` on any mismatch, and nothing else.
     """
+    meta, csum, _seal = decode_sealed_header(
+        span, expect_key=expect_key, expect_namespace=expect_namespace, expect=expect,
+        object_len=object_len, max_payload=max_payload)
+    return meta, csum
+
+
+def decode_sealed_header(
+    span: bytes | memoryview,
+    *,
+    expect_key: ChunkKey | None = None,
+    expect_namespace: bytes | None = None,
+    expect: ChunkSpec | None = None,
+    object_len: int | None = None,
+    max_payload: int | None = None,
+) -> tuple[ChunkMeta, int, Seal | None]:
+    """``decode_header``, and the payload's seal (None: a plaintext object)."""
     try:
-        meta, csum = _decode(span)
+        meta, csum, seal = _decode(span)
     except CorruptObject:
         raise
     except Exception as e:  # any surprise from hostile bytes is corruption, not a crash
@@ -208,24 +261,29 @@ def decode_header(
         raise CorruptObject(
             f"payload of {meta.payload_len} bytes does not fit the {max_payload}-byte buffer"
         )
-    return meta, csum
+    return meta, csum, seal
 
 
-def _decode(span: bytes | memoryview) -> tuple[ChunkMeta, int]:
+def _decode(span: bytes | memoryview) -> tuple[ChunkMeta, int, Seal | None]:
     if len(span) < HEADER_SPAN:
         raise CorruptObject(f"truncated header: {len(span)} < {HEADER_SPAN} bytes")
     magic, version, hlen = _PREFIX.unpack_from(span, 0)
     if magic != MAGIC:
         raise CorruptObject("bad magic")
-    if version != OBJECT_VERSION:
-        raise CorruptObject(f"object version {version}, this kvtier reads {OBJECT_VERSION}")
+    if version not in (OBJECT_VERSION, SEALED_VERSION):
+        raise CorruptObject(f"object version {version}, this kvtier reads "
+                            f"{OBJECT_VERSION} and {SEALED_VERSION}")
     if hlen > MAX_HEADER:
         raise CorruptObject(f"header length {hlen} out of range")
     try:
         wire = msgpack.unpackb(bytes(span[_PREFIX.size : _PREFIX.size + hlen]), raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise CorruptObject(f"header is not msgpack: {type(e).__name__}") from None
-    return ChunkMeta.from_wire(wire)
+    meta, csum = ChunkMeta.from_wire(wire)
+    sealed = version == SEALED_VERSION
+    if sealed != ("enc" in wire):
+        raise CorruptObject("object version and seal disagree")
+    return meta, csum, Seal.from_wire(wire["enc"]) if sealed else None
 
 
 def verify_payload(meta: ChunkMeta, payload_checksum: int, payload: Any) -> None:

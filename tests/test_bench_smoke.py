@@ -17,7 +17,8 @@ def test_tiers_benchmark_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert {(r["path"], r["op"]) for r in rows} == {
         ("host", "put"), ("host", "get"), ("file", "write"), ("file", "cold read"),
-        ("s3", "put"), ("s3", "get")}
+        ("s3", "put"), ("s3", "get"), ("sealed", "write"), ("sealed", "warm read"),
+        ("sealed", "cipher")}
     assert "ratio" in text
 
 

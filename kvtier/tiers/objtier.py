@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.clock import Clock
+from kvtier.crypt import ChunkCipher, ForeignKey
 from kvtier.keys import ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.objformat import (
@@ -59,6 +60,7 @@ from kvtier.objformat import (
     ChunkSpec,
     CorruptObject,
     decode_header,
+    decode_sealed_header,
     encode_header,
     verify_payload,
 )
@@ -131,6 +133,10 @@ class ObjectTier:
         self._name = name
         self._clock = clock
         self._touch_interval = touch_interval
+        #: ``encryption.enabled``: payloads are sealed on write and opened on read
+        #: (``kvtier.crypt``); set once, before the tier is used (``kvtier.build``)
+        self.cipher: ChunkCipher | None = None
+        self._scratch = threading.local()  # per IO thread: a sealed payload as read
         self._low_watermark = low_watermark
         self._tick = tick
         self._walk_interval = walk_interval
@@ -287,11 +293,21 @@ class ObjectTier:
                 return i
         return len(keys)
 
+    def _scratch_of(self, nbytes: int) -> memoryview:
+        """This thread's buffer for a sealed payload as read (grown, never shrunk)."""
+        buf: bytearray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
+
     def get_into(
         self, key: ChunkKey, dst: memoryview, *, expect: ChunkSpec | None = None
     ) -> ChunkMeta | None:
         t0 = time.perf_counter()
-        dst = as_bytes_view(dst)
+        out = dst = as_bytes_view(dst)
+        cipher = self.cipher
+        if cipher is not None:  # read the ciphertext aside, open it into ``out``
+            dst = self._scratch_of(out.nbytes)
         head = memoryview(bytearray(HEADER_SPAN))
         entry = self.index.get(key)
         cap = HEADER_SPAN + dst.nbytes
@@ -311,9 +327,21 @@ class ObjectTier:
             self.metrics.miss()
             return None
         try:
-            meta, csum = decode_header(head[: min(total, HEADER_SPAN)], expect_key=key,
-                                       expect=expect, object_len=total, max_payload=dst.nbytes)
-            verify_payload(meta, csum, dst[: meta.payload_len])
+            meta, csum, seal = decode_sealed_header(
+                head[: min(total, HEADER_SPAN)], expect_key=key, expect=expect,
+                object_len=total, max_payload=dst.nbytes)
+            if seal is not None and cipher is None:
+                raise ForeignKey("a sealed object, and encryption is off here")
+            if cipher is not None:
+                # the GCM tag authenticates every byte (the checksum would only repeat it);
+                # a plaintext object is refused there
+                cipher.open_into(meta, seal, dst[: meta.payload_len], out[: meta.payload_len])
+            else:
+                verify_payload(meta, csum, dst[: meta.payload_len])
+        except ForeignKey as e:  # readable by another configuration: not damage
+            self._refused_once(key, str(e))
+            self.metrics.miss()
+            return None
         except CorruptObject as e:
             self._quarantine(key, version, str(e))
             self.metrics.miss()
@@ -333,6 +361,17 @@ class ObjectTier:
         self.index.remember(key, size, now, now)
         if not self._after_hit(key, now, version):  # dropped: not done, so not recorded
             self.index.remember(key, size, now, float("-inf") if entry is None else entry.touched)
+
+    def _refused_once(self, key: ChunkKey, why: str) -> None:
+        """An object this node may not read (``ForeignKey``): counted, left in place,
+        logged once per tier."""
+        self.metrics.corrupt()
+        if not getattr(self, "_foreign_logged", False):
+            self._foreign_logged = True
+            log.warning("object %s not served: %s (every node sharing this tier needs the "
+                        "same encryption settings and keys); further ones are counted in "
+                        "kvtier_tier_corruptions_total only",
+                        self.transport.describe(key), why)
 
     def _quarantine(self, key: ChunkKey, version: Version, why: str) -> None:
         """Remove a corrupt object, unless someone replaced it since it was read."""
@@ -358,7 +397,11 @@ class ObjectTier:
         if meta.object_len > min(self.capacity, MAX_SIZE):
             return PutStatus.NO_SPACE
         body = as_bytes_view(payload)
-        header = memoryview(encode_header(meta, body))
+        seal = None
+        if self.cipher is not None:
+            sealed, seal = self.cipher.seal(meta, body)
+            body = memoryview(sealed)
+        header = memoryview(encode_header(meta, body, seal))
         try:
             stamp = self.transport.write(meta.key, header, body, create=create,
                                          now=self._clock.wall())
