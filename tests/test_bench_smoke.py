@@ -35,3 +35,14 @@ def test_restore_vs_recompute_smoke(tmp_path: Path, models_dir: Path) -> None:
         assert r["file_restored"] == {"file1": r["tokens"] - 128}
     assert (tmp_path / "restore_vs_recompute.png").stat().st_size > 0
     assert "cold/host" in text
+
+
+def test_router_pricing_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "rp.json"
+    text = run_benchmark("benchmarks/router_pricing.py", "--conversations", "20",
+                         "--chunks", "6", "--out", str(out))
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"index", "confirmed", "after shortfall"}
+    assert rows["after shortfall"]["precision"] == 1.0  # every chunk checked
+    assert rows["index"]["precision"] < rows["confirmed"]["precision"]
+    assert "precision" in text
