@@ -41,6 +41,7 @@ from pathlib import Path
 import msgpack
 
 from kvtier.objformat import KID_BYTES, NONCE_BYTES, ChunkMeta, CorruptObject, Seal
+from kvtier.secretfile import secret_lines
 
 ENV = "KVTIER_ENCRYPTION_KEY"
 MAX_DATA_KEYS = 4096
@@ -58,18 +59,7 @@ class ForeignKey(CorruptObject):
 def load_master_keys(path: Path | None, environ: dict[str, str] | None = None) -> list[bytes]:
     """The master keys (64 hex characters each) from ``path`` (one a line, ``#``
     comments skipped), else ``KVTIER_ENCRYPTION_KEY`` (``;``-separated); [] if neither."""
-    env = os.environ if environ is None else environ
-    if path is not None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise KeyError_(f"encryption key file {path}: cannot be read ({e})") from None
-        found = [ln.strip() for ln in text.splitlines()
-                 if ln.strip() and not ln.strip().startswith("#")]
-        where = str(path)
-    else:
-        found = [s.strip() for s in env.get(ENV, "").split(";") if s.strip()]
-        where = ENV
+    found, where = secret_lines(path, ENV, "encryption key", KeyError_, environ)
     keys = []
     for i, text in enumerate(found):
         try:

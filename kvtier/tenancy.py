@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets as _secrets
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvtier.secretfile import secret_lines
 
 PREFIX = "kvtier-tenant-"
 ENV = "KVTIER_TENANT_SECRET"
@@ -50,20 +51,7 @@ class SecretError(ValueError):
 def load_secrets(path: Path | None, environ: dict[str, str] | None = None) -> list[bytes]:
     """The secrets from ``path`` (one a line; ``#`` comments and blank lines skipped),
     else from ``KVTIER_TENANT_SECRET`` (``;``-separated); [] if neither is set."""
-    env = os.environ if environ is None else environ
-    if path is not None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SecretError(f"tenant secret file {path}: cannot be read ({e})") from None
-        lines = [ln.strip() for ln in text.splitlines()]
-        found, where = [ln for ln in lines if ln and not ln.startswith("#")], str(path)
-        if not found:
-            raise SecretError(f"tenant secret file {path} holds no secret: write one of "
-                              f"at least {MIN_SECRET_CHARS} characters on a line")
-    else:
-        raw = env.get(ENV, "")
-        found, where = [s.strip() for s in raw.split(";") if s.strip()], ENV
+    found, where = secret_lines(path, ENV, "tenant secret", SecretError, environ)
     for i, s in enumerate(found):
         if len(s) < MIN_SECRET_CHARS:
             raise SecretError(f"tenant secret {i + 1} in {where} has {len(s)} characters; "
