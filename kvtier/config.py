@@ -274,6 +274,7 @@ class EncryptionConfig(_Model):
     per namespace (so per tenant salt) derived from a master key kept outside the tier.
     Every node sharing a tier needs the same setting and keys."""
 
+    #: Seal every object the lower tiers write, and serve only sealed ones.
     enabled: bool = False
     #: Master keys, 64 hex characters each, one a line: the first seals, all open (a
     #: rotation). Else ``KVTIER_ENCRYPTION_KEY`` (``;``-separated).
