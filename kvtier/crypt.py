@@ -113,18 +113,21 @@ class ChunkCipher:
                 self._data_keys.popitem(last=False)
         return key
 
-    def seal(self, meta: ChunkMeta, payload: memoryview) -> tuple[bytearray, Seal]:
-        """The ciphertext of ``payload`` (same length) and its seal."""
+    def seal(self, meta: ChunkMeta, payload: memoryview,
+             out: memoryview | None = None) -> tuple[memoryview, Seal]:
+        """The ciphertext of ``payload`` (same length; written into ``out`` if given, a
+        buffer of at least that size not overlapping ``payload``) and its seal."""
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         nonce = os.urandom(NONCE_BYTES)
         enc = Cipher(algorithms.AES(self._data_key(self.kid, meta.namespace)),
                      modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(_aad(meta))
-        out = bytearray(payload.nbytes)
-        enc.update_into(payload, out)
+        n = memoryview(payload).nbytes
+        dst = memoryview(bytearray(n)) if out is None else out[:n]
+        enc.update_into(payload, dst)
         enc.finalize()
-        return out, Seal(self.kid, nonce, enc.tag)
+        return dst, Seal(self.kid, nonce, enc.tag)
 
     def open_into(self, meta: ChunkMeta, seal: Seal | None, src: memoryview,
                   dst: memoryview) -> None:

@@ -202,7 +202,9 @@ def encode_header(meta: ChunkMeta, payload: Any, seal: Seal | None = None) -> by
         raise ValueError(
             f"payload is {memoryview(payload).nbytes} bytes, meta says {meta.payload_len}"
         )
-    wire = meta.to_wire(checksum(payload))
+    # a sealed payload's GCM tag authenticates every byte: no checksum (readers of sealed
+    # objects never look at it, and readers that cannot open them refuse them)
+    wire = meta.to_wire(checksum(payload) if seal is None else 0)
     if seal is not None:
         wire["enc"] = seal.to_wire()
     body: bytes = msgpack.packb(wire, use_bin_type=True)

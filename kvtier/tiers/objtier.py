@@ -294,7 +294,8 @@ class ObjectTier:
         return len(keys)
 
     def _scratch_of(self, nbytes: int) -> memoryview:
-        """This thread's buffer for a sealed payload as read (grown, never shrunk)."""
+        """This thread's buffer for a sealed payload, as read or to be written (grown,
+        never shrunk; one call's use ends before the thread's next call)."""
         buf: bytearray | None = getattr(self._scratch, "buf", None)
         if buf is None or len(buf) < nbytes:
             buf = self._scratch.buf = bytearray(nbytes)
@@ -398,9 +399,8 @@ class ObjectTier:
             return PutStatus.NO_SPACE
         body = as_bytes_view(payload)
         seal = None
-        if self.cipher is not None:
-            sealed, seal = self.cipher.seal(meta, body)
-            body = memoryview(sealed)
+        if self.cipher is not None:  # sealed into this thread's scratch buffer
+            body, seal = self.cipher.seal(meta, body, self._scratch_of(body.nbytes))
         header = memoryview(encode_header(meta, body, seal))
         try:
             stamp = self.transport.write(meta.key, header, body, create=create,
