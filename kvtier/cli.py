@@ -144,6 +144,68 @@ def cmd_gc(cfg: KVTierConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: Objects deleted per call while purging (bounds what one call holds in memory).
+PURGE_BATCH = 1000
+
+
+def _namespaces(values: Sequence[str]) -> set[bytes]:
+    out = set()
+    for v in values:
+        try:
+            digest = bytes.fromhex(v)
+        except ValueError:
+            digest = b""
+        if not digest:
+            raise ValueError(f"--namespace {v!r}: not a hex digest (the 'namespace' an engine "
+                             "returns in kv_transfer_params, or `kvtier ls --namespaces`)")
+        out.add(digest)
+    return out
+
+
+def cmd_purge(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    """Remove every object of the given namespaces (a tenant's salt, a model, an adapter
+    or a weights epoch each make their own) from the persistent tiers; a dry run unless
+    ``--yes``. Safe while engines run: a read of a purged object misses and recomputes.
+    Headers are read one at a time and deletes go in batches of ``PURGE_BATCH``."""
+    wanted = _namespaces(args.namespace)
+    for tier in _lower_tiers(cfg, args.tier):
+        matched = removed = nbytes = 0
+        batch: list[ChunkKey] = []
+        for info in list(tier.scan()):
+            meta = tier.read_meta(info.key)
+            if meta is None or meta.namespace not in wanted:
+                continue
+            matched += 1
+            nbytes += info.size
+            if args.yes:
+                batch.append(info.key)
+                if len(batch) >= PURGE_BATCH:
+                    removed += tier.delete(batch)
+                    batch.clear()
+        if batch:
+            removed += tier.delete(batch)
+        what = (f"removed {removed}" if args.yes
+                else "dry run: rerun with --yes to remove them")
+        print(f"{tier.name}: {matched} objects ({format_size(nbytes)}) of "
+              f"{len(wanted)} namespace(s); {what}")
+    return EXIT_OK
+
+
+def cmd_namespaces(cfg: KVTierConfig, args: argparse.Namespace) -> int:
+    """Each namespace the persistent tiers hold, with its object count and bytes."""
+    for tier in _lower_tiers(cfg, args.tier):
+        counts: dict[bytes, list[int]] = {}
+        for info in list(tier.scan()):
+            meta = tier.read_meta(info.key)
+            if meta is not None:
+                c = counts.setdefault(meta.namespace, [0, 0])
+                c[0] += 1
+                c[1] += info.size
+        for ns, (n, size) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
+            print(f"{tier.name}\t{ns.hex()}\t{n}\t{size}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -157,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
         ("ls", cmd_ls, "list the objects of the persistent tiers"),
         ("stats", cmd_stats, "summarise the persistent tiers"),
         ("gc", cmd_gc, "enforce capacity on the persistent (shared) tiers"),
+        ("namespaces", cmd_namespaces, "list the namespaces the persistent tiers hold, "
+         "with objects and bytes (reads every object's header)"),
+        ("purge", cmd_purge, "remove every object of some namespaces from the persistent "
+         "tiers (dry run unless --yes)"),
     ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("config")
@@ -164,6 +230,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "gc":
             s.add_argument("--expired", action="store_true",
                            help="also remove objects past retention.lease_seconds")
+        if name == "purge":
+            s.add_argument("--namespace", action="append", required=True, metavar="HEX",
+                           help="a namespace digest (repeatable): the 'namespace' engines "
+                           "return in kv_transfer_params, or one `kvtier namespaces` lists")
+            s.add_argument("--yes", action="store_true", help="remove (default: dry run)")
         s.set_defaults(fn=fn)
     d = sub.add_parser("doctor", help="check this environment: Python, vLLM, torch, CUDA, "
                        "kvtier._C, pinned memory, /dev/shm (exit 1 if something is missing)")

@@ -171,3 +171,36 @@ tiers:
     assert main(["check", _cfg(tmp_path, trusted), "--chunk-size", "64KiB", "--count", "2"]) == 0
     assert "s31: conditionals (trusted (config)): PutObject If-None-Match yes" in (
         capsys.readouterr().out)
+
+
+def test_purge_removes_exactly_the_given_namespaces(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvtier namespaces`` lists what the tiers hold by namespace (a tenant's salt, a
+    model, an adapter, a weights epoch each make one); ``kvtier purge`` is a dry run
+    unless ``--yes``, then removes every object of the given namespaces and none other."""
+    from kvtier.tiers.file import FileTier
+    from tests.tiers.harness import make_key, meta_for, payload_for
+
+    tenant_a, tenant_b = b"a" * 16, b"b" * 16
+    tier = FileTier(tmp_path / "store", 1 << 30)
+    for i in range(5):
+        ns = tenant_a if i < 3 else tenant_b
+        tier.put(meta_for(make_key(i), namespace=ns), payload_for(make_key(i)).data)
+    tier.close()
+    cfg = _cfg(tmp_path, f"""
+tiers:
+  - host: {{capacity: 64MiB}}
+  - file: {{path: {tmp_path / 'store'}, capacity: 1GiB}}
+""")
+    assert main(["namespaces", cfg]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"{tenant_a.hex()}\t3\t" in out and f"{tenant_b.hex()}\t2\t" in out
+    assert main(["purge", cfg, "--namespace", tenant_a.hex()]) == EXIT_OK
+    assert "3 objects" in (out := capsys.readouterr().out) and "dry run" in out
+    assert main(["purge", cfg, "--namespace", tenant_a.hex(), "--yes"]) == EXIT_OK
+    assert "removed 3" in capsys.readouterr().out
+    assert main(["namespaces", cfg]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert tenant_a.hex() not in out and f"{tenant_b.hex()}\t2\t" in out
+    assert main(["purge", cfg, "--namespace", "not-hex"]) == EXIT_USAGE
+    assert "not a hex digest" in capsys.readouterr().err
