@@ -70,8 +70,6 @@ DEFAULT_CHUNK_TOKENS = 256
 #: Store lookups one probe may make (a binary search over 1,000 chunks needs 10, and
 #: confirming what the index claims 2 more).
 DEFAULT_MAX_HEADS = 24
-#: Lookups a distrusted probe keeps for the tail after checking chunks one by one.
-TAIL_LOOKUPS = 4
 #: A decode-only turn whose decode node restored less than this share of what was priced
 #: as held makes its identity distrusted for ``DISTRUST_S`` (``PrefixReader.shortfall``).
 TRUSTED_SHARE = 0.95
@@ -113,12 +111,6 @@ class NamespaceBook:
             return None
         self._entries.move_to_end(identity)
         return got.digest, got.block_tokens
-
-    def forget(self, identity: Identity) -> None:
-        """Drop ``identity``'s digest: its turns take the prefill hop until an answer
-        that verifies teaches it again (an in-place weights update or adapter reload
-        changes the engines' digest, and the router cannot see it)."""
-        self._entries.pop(identity, None)
 
     def learn(self, identity: Identity, ids: Sequence[int],
               params: Mapping[str, Any] | None) -> bool:
@@ -243,26 +235,15 @@ class HeldLookup:
         chain's first chunk (the oldest: the first collected, and without it nothing
         restores) and its last claimed one; if that one is gone, the search goes on below
         it. An identity whose pricing fell short lately (``distrusted``: a hole in the
-        chain, which the ends do not show) has its chunks checked one by one, or along a
-        chain longer than the lookup budget allows (``TAIL_LOOKUPS`` kept for its tail),
-        evenly spaced ones (half the budget) and a binary search
-        below the first one missing (a hole between two checked ones still shows only
-        as another shortfall)."""
+        chain, which the ends do not show) has its chunks checked one by one."""
         keys, k = pk.keys, probe.indexed
         if probe.distrusted:
-            # every chunk where the budget allows; along a longer chain, evenly spaced
-            # ones (half the budget), then a binary search below the first one missing
-            linear = len(keys) <= self.max_heads - TAIL_LOOKUPS
-            step = 1 if linear else -(-len(keys) // max(1, self.max_heads // 2))
-            marks = sorted({*range(0, len(keys), step), len(keys) - 1}) if keys else []
-            last = -1
-            for i in marks:
+            for i, key in enumerate(keys):
                 if probe.heads >= self.max_heads or stop.is_set():
-                    return last + 1, len(keys)
-                if not self._stored(keys[i], probe):
-                    return last + 1, i
-                last = i
-                probe.chunks = i + 1  # [0, i] taken as stored: each chunk, or each mark
+                    return i, len(keys)  # out of budget: a binary search for the rest
+                if not self._stored(key, probe):
+                    return i, i
+                probe.chunks = i + 1
             return len(keys), len(keys)
         if k == 0:
             return 0, len(keys)
@@ -342,17 +323,11 @@ class PrefixReader:
 
     def shortfall(self, identity: Identity, priced: int, restored: int, now: float) -> bool:
         """A decode-only turn priced ``priced`` tokens as held and the decode node restored
-        ``restored``: below ``TRUSTED_SHARE`` of it, ``identity``'s digest is forgotten
-        (its next turn takes the prefill hop and relearns it: the engines may key it
-        differently now) and its lookups for ``DISTRUST_S`` check each chunk (a hole
-        the chain's ends did not show), not believing the router's index. True if it
-        fell short. Event loop thread."""
+        ``restored``: below ``TRUSTED_SHARE`` of it, ``identity``'s next lookups for
+        ``DISTRUST_S`` check each chunk (a hole the chain's ends did not show) and the
+        router's index is not believed. True if it fell short. Event loop thread."""
         if priced <= 0 or restored >= TRUSTED_SHARE * priced:
             return False
-        # the engines may key this identity differently now (weights updated in place,
-        # an adapter reloaded): its chunks under the old digest are still in the tier,
-        # so checking them would find them; relearn the digest from the next prefill
-        self.book.forget(identity)
         self._distrust[identity] = now + DISTRUST_S
         self._distrust.move_to_end(identity)
         while len(self._distrust) > MAX_NAMESPACES:

@@ -83,14 +83,6 @@ class KVStore:
         return {"namespace": digest.hex(), "tokens": end,
                 "last_key": None if last is None else last.hex()}
 
-    def restorable(self, body: dict[str, Any], ids: list[int]) -> int:
-        """Tokens of ``ids`` a kvtier engine would restore now: the stored run of full
-        chunks from the first (vLLM computes at least the last token)."""
-        digest, ct = self.digest(body), self.chunk_tokens
-        keys = chunk_keys(digest, ids[: max(0, len(ids) - 1)], ct)
-        n = next((i for i, k in enumerate(keys) if not self.tier.present(k)), len(keys))
-        return n * ct
-
     def _put(self, key: ChunkKey, digest: bytes, parent: ChunkKey | None) -> None:
         meta = dataclasses.replace(meta_for(key, 64, namespace=digest), parent=parent)
         self.tier.put(meta, payload_for(key, 64).data)
@@ -122,9 +114,6 @@ class Backend:
     kv: KVStore | None = None  # store chunks in a shared tier, as a kvtier engine does
     tokenize_mode: str = "ok"  # ok, fail500, hang
     tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies
-    #: what its answers say kvtier restored (None: with ``kv``, what the tier holds of the
-    #: prompt, as a kvtier engine would restore; else 7)
-    restored_tokens: int | None = None
 
     async def wait_for_calls(self, n: int) -> None:
         while len(self.bodies) < n:
@@ -178,9 +167,6 @@ class Backend:
         phase = body["kv_transfer_params"]["kvtier"]["phase"]
         text = prompt if phase == "prefill" else prompt + "".join(pieces)
         ids = body["prompt"] if isinstance(body.get("prompt"), list) else ids_of(prompt)
-        restored = self.restored_tokens
-        if restored is None:
-            restored = 7 if self.kv is None else self.kv.restorable(body, ids)
         if phase != "prefill":
             ids = ids + ids_of("".join(pieces))
         saved = None if self.kv is None else self.kv.save(body, ids)
@@ -188,8 +174,7 @@ class Backend:
             return await self.stream(request, pieces)
         params = {"namespace": "ab" * 8, "tokens": len(text),
                   "last_key": self.last_key or key_of(text),
-                  "expires_at": 0.0, "restored_tokens": restored,
-                  "restored_by_tier": {"file1": restored},
+                  "expires_at": 0.0, "restored_tokens": 7, "restored_by_tier": {"file1": 7},
                   "restore_ms": 12.5} | (saved or {})
         return web.json_response({"choices": [{"text": "".join(pieces)}],
                                   "kv_transfer_params": {"kvtier": params}})
