@@ -294,17 +294,20 @@ class Router:
         return True
 
     def _check_pricing(self, req: ProxyRequest, turn: Turn, doc: object) -> None:
-        """A decode-only answer says what its node restored (kvtier's ``restored_tokens``,
-        or vLLM's ``cached_tokens``, which counts its own prefix cache too): well short of
+        """A decode-only answer says what its node served without computing (vLLM's
+        ``cached_tokens``, its own prefix cache and kvtier's loads; only where the server
+        runs with ``--enable-prompt-tokens-details``): well short of
         what was priced as held (chunks collected since the router's index saw them), the
         identity's next lookups check every chunk (``PrefixReader.shortfall``)."""
         params = kvtier_params(doc)
-        if params is None or "restored_tokens" not in params:
-            return  # not a kvtier engine's answer: nothing to compare
-        served = int(param_number(params, "restored_tokens"))
         usage = prompt_usage(doc)
-        if usage is not None and usage.cached_tokens is not None:
-            served = max(served, usage.cached_tokens)
+        if params is None or "restored_tokens" not in params or usage is None \
+                or usage.cached_tokens is None:
+            # not a kvtier engine's answer, or one without vLLM's cached_tokens
+            # (--enable-prompt-tokens-details): kvtier's restored_tokens leaves out what
+            # vLLM's own prefix cache served, so a healthy return would look short
+            return
+        served = max(int(param_number(params, "restored_tokens")), usage.cached_tokens)
         assert turn.held_tokens is not None
         if self.prefix.shortfall(req.identity, turn.held_tokens, served,
                                  self.clock.monotonic()):
