@@ -224,7 +224,7 @@ class HeldLookup:
                 return i
         return len(pk.keys)
 
-    def needs_probe(self, pk: PromptKeys, known: int) -> bool:
+    def needs_probe(self, pk: PromptKeys) -> bool:
         """Always, where anything may be held: what the index claims is confirmed too."""
         return bool(pk.keys) or bool(pk.tail_candidates(0))
 
@@ -360,7 +360,7 @@ class PrefixReader:
         lookup = self.lookup
         distrusted = self.distrusted(identity, now)
         probe = Probe(0 if distrusted else lookup.index_prefix(pk), distrusted)
-        if lookup.needs_probe(pk, probe.indexed):
+        if lookup.needs_probe(pk):
             stop = threading.Event()
             fut = lookup.executor.submit(lookup.probe, pk, probe, stop)
             if fut is None:  # every probe thread is busy (a tier that hangs): the index
